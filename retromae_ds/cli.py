@@ -1,0 +1,196 @@
+"""The ``retromae-ds`` command line: one entry point, one subcommand per job.
+
+retromae-ds demo               the main job on the built-in corpus (README)
+retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_shards.py)
+retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
+retromae-ds inspect DIR        summary of a shards folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64MB', '512KiB', '1G' or a plain byte count -> bytes (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64MB, 512KB, 1000000)")
+    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
+    return max(1, int(float(m.group(1)) * scale))
+
+
+def add_preprocess_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        help="files, globs or folders (.jsonl[.gz], .txt, .parquet, BEIR, datasets)",
+    )
+    p.add_argument("--out", required=True, help="output folder")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", help="local Hugging Face fast tokenizer folder")
+    tok.add_argument(
+        "--train-tokenizer",
+        type=int,
+        metavar="VOCAB_SIZE",
+        help="train a WordPiece tokenizer first",
+    )
+    p.add_argument(
+        "--no-lowercase", dest="lowercase", action="store_false", help="keep case when training"
+    )
+    p.add_argument("--max-length", type=int, default=512, help="model length incl. special tokens")
+    p.add_argument(
+        "--shard-size", type=parse_size, default="64MB", help="input text per shard (default 64MB)"
+    )
+    p.add_argument(
+        "--pack", action="store_true", help="pack short rows into samples up to the max length"
+    )
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument(
+        "--num-tasks", type=int, default=1, help="split the work over T independent processes"
+    )
+    p.add_argument(
+        "--task-index",
+        type=int,
+        default=None,
+        help="this process's task (default: Slurm array index)",
+    )
+    p.add_argument("--merge", action="store_true", help="write the manifest over all tasks' shards")
+    p.add_argument("--text-field", default="text")
+    p.add_argument(
+        "--title-field", default=None, help="prepended to the text (BEIR corpus: 'title')"
+    )
+    p.add_argument(
+        "--id-field", default=None, help="document id field (default: _id or id when present)"
+    )
+    p.add_argument("--title-sep", default=" ")
+    p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line")
+    p.add_argument("--split", default=None, help="split of a DatasetDict folder (default: train)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def preprocess_config_from_args(args: argparse.Namespace):
+    from retromae_ds.data.preprocess import PreprocessConfig
+    from retromae_ds.data.sources import SourceOptions
+
+    task_index = args.task_index
+    if task_index is None:
+        task_index = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) - int(
+            os.environ.get("SLURM_ARRAY_TASK_MIN", 0)
+        )
+    if not args.merge and not args.inputs:
+        raise ValueError("no inputs given")
+    return PreprocessConfig(
+        inputs=args.inputs,
+        out=args.out,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
+        lowercase=args.lowercase,
+        max_length=args.max_length,
+        shard_size=args.shard_size,
+        pack=args.pack,
+        workers=args.workers,
+        on_error=args.on_error,
+        num_tasks=args.num_tasks,
+        task_index=task_index if args.num_tasks > 1 else 0,
+        merge=args.merge,
+        progress=args.progress,
+        source=SourceOptions(
+            text_field=args.text_field,
+            title_field=args.title_field,
+            id_field=args.id_field,
+            title_sep=args.title_sep,
+            txt_mode=args.txt_mode,
+            split=args.split,
+        ),
+    )
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from retromae_ds.data.preprocess import run_preprocess
+
+    run_preprocess(preprocess_config_from_args(args))
+    return 0
+
+
+def cmd_train_tokenizer(args: argparse.Namespace) -> int:
+    from retromae_ds.data.sources import SourceOptions, expand_inputs, plan_units, read_unit
+    from retromae_ds.data.tokenizer import train_wordpiece
+
+    opts = SourceOptions(
+        text_field=args.text_field, title_field=args.title_field, txt_mode=args.txt_mode
+    )
+    units, _ = plan_units(expand_inputs(args.inputs), 64 * 2**20, opts)
+    texts = (t for u in units for t in read_unit(u, opts).texts)
+    tok = train_wordpiece(texts, args.vocab_size, args.out, lowercase=args.lowercase)
+    print(f"train-tokenizer: {len(tok)} tokens -> {args.out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from retromae_ds.data.dataset import ShardDataset
+
+    ds = ShardDataset(args.folder, verify=args.verify)
+    print(json.dumps(ds.summary(), indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from retromae_ds.demo import run_demo
+
+    run_demo(args.out, workers=args.workers, max_docs=args.max_docs)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="retromae-ds", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("preprocess", help="raw text -> memory-mapped Arrow shards")
+    add_preprocess_args(p)
+    p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser("train-tokenizer", help="train a WordPiece tokenizer on inputs")
+    p.add_argument("inputs", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=30522)
+    p.add_argument("--no-lowercase", dest="lowercase", action="store_false")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--title-field", default=None)
+    p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line")
+    p.set_defaults(func=cmd_train_tokenizer)
+
+    p = sub.add_parser("inspect", help="summary of a shards folder")
+    p.add_argument("folder")
+    p.add_argument("--verify", action="store_true", help="check every shard's sha256")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("demo", help="the main job on the built-in corpus")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument(
+        "--max-docs", type=int, default=None, help="use only the first N built-in documents"
+    )
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
+        print(f"retromae-ds {args.command}: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: shard schema, preprocessing, memory-mapped reader and the distributed sampler."""

@@ -1,0 +1,262 @@
+"""Memory-mapped reader over a folder of shards written by the preprocessing tool.
+
+``ShardDataset(folder)[i]`` returns sample ``i`` as zero-copy numpy views into the mapped
+shard files; ``get_batch(indices)`` gathers many samples with vectorised numpy. Opening reads
+only the manifest and the shards' Arrow footers: a corpus far larger than RAM costs nothing
+until samples are touched, and then only the pages they live on (the maps are advised for
+random access, so the kernel does not read ahead around each sample).
+
+A sample is one row, or with a packed corpus one pack of consecutive rows (still one
+contiguous, zero-copy slice). Usable in DataLoader workers: maps are opened lazily per process.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from retromae_ds.data import schema
+from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
+
+
+@dataclass
+class Sample:
+    """One sample: views into the mapped shard (do not write to them)."""
+
+    input_ids: np.ndarray  # int32 [n]
+    word_starts: np.ndarray  # uint8 [n]
+    segment_lengths: np.ndarray  # int32 [rows in the pack]; [n] when unpacked
+
+
+@dataclass
+class Batch:
+    """Ragged batch: sample b owns ``input_ids[offsets[b]:offsets[b+1]]``."""
+
+    input_ids: np.ndarray  # int32 [total]
+    word_starts: np.ndarray  # uint8 [total]
+    offsets: np.ndarray  # int64 [B+1]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def padded(self, pad_id: int, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids_BL, word_starts_BL) right-padded to ``length`` (default: the longest sample)."""
+        lengths = self.lengths
+        width = int(lengths.max(initial=0)) if length is None else length
+        if len(lengths) and lengths.max() > width:
+            raise ValueError(f"a sample of {int(lengths.max())} tokens exceeds length {width}")
+        ids = np.full((len(lengths), width), pad_id, dtype=np.int32)
+        starts = np.zeros((len(lengths), width), dtype=np.uint8)
+        mask = np.arange(width) < lengths[:, None]
+        ids[mask] = self.input_ids
+        starts[mask] = self.word_starts
+        return ids, starts
+
+
+class _Shard:
+    """One mapped shard: numpy views of its columns (single- or multi-batch files)."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        if hasattr(mmap, "MADV_RANDOM"):
+            self._map.madvise(mmap.MADV_RANDOM)
+        reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._map)))
+        schema.check_schema(reader.schema, str(path))
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        table = (
+            pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
+            if len(batches) > 1
+            else None
+        )
+        if table is not None:  # rare (not written by our tool): one copy at open
+            batches = table.to_batches()
+        b = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=schema.SHARD_SCHEMA)
+        ids_col = b.column(schema.INPUT_IDS)
+        ws_col = b.column(schema.WORD_STARTS)
+        self.offsets = _offsets_view(ids_col)
+        self.ids = ids_col.values.to_numpy(zero_copy_only=True)
+        self.word_starts = ws_col.values.to_numpy(zero_copy_only=True)
+        self.pack_ids = b.column(schema.PACK_ID).to_numpy(zero_copy_only=True)
+        self._batch = b
+
+    def doc_id(self, row: int) -> str:
+        return self._batch.column(schema.DOC_ID)[row].as_py()
+
+    def chunk_index(self, row: int) -> int:
+        return self._batch.column(schema.CHUNK_INDEX)[row].as_py()
+
+
+def _offsets_view(col: pa.ListArray) -> np.ndarray:
+    offsets = col.offsets.to_numpy(zero_copy_only=True)
+    if col.values.offset:
+        raise ValueError("unexpected sliced list values in shard")
+    return offsets
+
+
+class ShardDataset:
+    """Random access to every sample of a preprocessed corpus.
+
+    Args:
+        folder: the preprocessing output folder (holding ``manifest.json``).
+        tokenizer: the tokenizer the run will use (a Hugging Face fast tokenizer or its
+            fingerprint dict); a mismatch with the shards' tokenizer raises ValueError.
+        verify: check every shard's sha256 against the manifest (reads every byte once).
+    """
+
+    def __init__(self, folder: str | Path, tokenizer: Any = None, verify: bool = False) -> None:
+        self.folder = Path(folder)
+        manifest_path = self.folder / schema.MANIFEST_NAME
+        if not manifest_path.exists():
+            raise FileNotFoundError(
+                f"{manifest_path}: no manifest; the folder is not a complete preprocessing output"
+            )
+        try:
+            self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{manifest_path}: not valid JSON ({exc})") from exc
+        version = self.manifest.get("schema_version")
+        if version != schema.SCHEMA_VERSION:
+            raise ValueError(
+                f"{manifest_path}: schema_version {version}, this reader expects "
+                f"{schema.SCHEMA_VERSION}; re-run preprocessing with this version"
+            )
+        if tokenizer is not None:
+            actual = tokenizer if isinstance(tokenizer, dict) else fingerprint(tokenizer)
+            problems = fingerprint_mismatch(self.manifest["tokenizer"], actual)
+            if problems:
+                raise ValueError(
+                    f"{manifest_path}: shards were made with another tokenizer: "
+                    + "; ".join(problems)
+                )
+        self.packed = bool(self.manifest["packed"])
+        shards = self.manifest["shards"]
+        per_shard = [s["packs"] if self.packed else s["rows"] for s in shards]
+        self._starts = np.zeros(len(shards) + 1, dtype=np.int64)
+        np.cumsum(per_shard, out=self._starts[1:])
+        self._paths = [self.folder / s["file"] for s in shards]
+        for path, meta in zip(self._paths, shards, strict=True):
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: shard listed in the manifest is missing")
+            if path.stat().st_size != meta["bytes"]:
+                raise ValueError(
+                    f"{path}: {path.stat().st_size} bytes, manifest says {meta['bytes']}"
+                )
+        if verify:
+            from retromae_ds.data.preprocess import sha256_file
+
+            for path, meta in zip(self._paths, shards, strict=True):
+                if sha256_file(path) != meta["sha256"]:
+                    raise ValueError(
+                        f"{path}: sha256 differs from the manifest; the shard is corrupt"
+                    )
+        self._open: dict[int, _Shard] = {}
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ plumbing
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getstate__(self) -> dict:  # maps are per process: reopen lazily after pickling
+        state = self.__dict__.copy()
+        state["_open"] = {}
+        return state
+
+    def _shard(self, k: int) -> _Shard:
+        if self._pid != os.getpid():  # forked DataLoader worker: do not share maps
+            self._open, self._pid = {}, os.getpid()
+        shard = self._open.get(k)
+        if shard is None:
+            shard = self._open[k] = _Shard(self._paths[k])
+        return shard
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        index %= n
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return k, index - int(self._starts[k])
+
+    def _row_span(self, shard: _Shard, local: int) -> tuple[int, int]:
+        if not self.packed:
+            return local, local + 1
+        lo = int(np.searchsorted(shard.pack_ids, local, side="left"))
+        hi = int(np.searchsorted(shard.pack_ids, local, side="right"))
+        return lo, hi
+
+    # ------------------------------------------------------------------ access
+    def __getitem__(self, index: int) -> Sample:
+        shard_k, local = self._locate(int(index))
+        shard = self._shard(shard_k)
+        lo, hi = self._row_span(shard, local)
+        a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
+        segments = np.diff(shard.offsets[lo : hi + 1])
+        return Sample(shard.ids[a:b], shard.word_starts[a:b], segments)
+
+    def source(self, index: int) -> list[tuple[str, int]]:
+        """(document id, chunk index) of each row in sample ``index``."""
+        shard_k, local = self._locate(int(index))
+        shard = self._shard(shard_k)
+        lo, hi = self._row_span(shard, local)
+        return [(shard.doc_id(r), shard.chunk_index(r)) for r in range(lo, hi)]
+
+    def get_batch(self, indices) -> Batch:
+        """Gather samples ``indices`` into one ragged batch (vectorised per shard)."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            raise IndexError(f"indices out of range for {n} samples")
+        idx = idx % max(n, 1)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        begin = np.empty(idx.size, dtype=np.int64)
+        end = np.empty(idx.size, dtype=np.int64)
+        for k in np.unique(shard_of).tolist():
+            sel = np.flatnonzero(shard_of == k)
+            shard = self._shard(k)
+            local = idx[sel] - self._starts[k]
+            if self.packed:
+                lo = np.searchsorted(shard.pack_ids, local, side="left")
+                hi = np.searchsorted(shard.pack_ids, local, side="right")
+            else:
+                lo, hi = local, local + 1
+            begin[sel] = shard.offsets[lo]
+            end[sel] = shard.offsets[hi]
+        lengths = end - begin
+        offsets = np.zeros(idx.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # flat position j of sample b reads begin[b] + (j - offsets[b]) in that sample's shard
+        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+        src = np.repeat(begin, lengths) + within
+        ids = np.empty(offsets[-1], dtype=np.int32)
+        starts = np.empty(offsets[-1], dtype=np.uint8)
+        owner = np.repeat(shard_of, lengths)
+        for k in np.unique(shard_of).tolist():
+            sel = owner == k
+            shard = self._shard(k)
+            ids[sel] = shard.ids[src[sel]]
+            starts[sel] = shard.word_starts[src[sel]]
+        return Batch(ids, starts, offsets)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "folder": str(self.folder),
+            "samples": len(self),
+            "shards": len(self._paths),
+            "packed": self.packed,
+            **self.manifest["counts"],
+            "tokenizer": self.manifest["tokenizer"]["class"],
+            "vocab_size": self.manifest["tokenizer"]["vocab_size"],
+            "max_length": self.manifest["max_length"],
+        }

@@ -1,0 +1,400 @@
+"""Offline, parallel, resumable preprocessing of raw text into Arrow shards.
+
+Run as ``retromae-ds preprocess INPUT... --out DIR (--tokenizer DIR | --train-tokenizer N)``
+or ``python tools/preprocess_shards.py ...``. Output folder::
+
+    DIR/plan.json           the work units and every setting that shapes the output
+    DIR/tokenizer/          the tokenizer the shards were made with
+    DIR/shards/part-NNNNNN.arrow  (+ part-NNNNNN.json: the unit's completion record)
+    DIR/rejects.jsonl       with --on-error skip: every skipped record and why
+    DIR/manifest.json       written last; the dataset is complete when it exists
+
+Each unit of input becomes exactly one shard, written to a temporary name and renamed, so the
+output is byte-identical for any worker count, a killed run redoes only missing units, and
+``--num-tasks T --task-index I`` lets T independent processes (a Slurm array) share the work;
+``--merge`` then writes the one manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from retromae_ds.data import schema
+from retromae_ds.data.sources import (
+    InputError,
+    SourceOptions,
+    Unit,
+    dump_json,
+    expand_inputs,
+    plan_units,
+    read_unit,
+)
+from retromae_ds.data.tokenize import build_batch, make_backend, tokenize_documents
+
+PLAN_NAME = "plan.json"
+REJECTS_NAME = "rejects.jsonl"
+
+
+@dataclass(kw_only=True)
+class PreprocessConfig:
+    """Settings of one preprocessing run."""
+
+    inputs: list[str] = field(default_factory=list)
+    """Files, globs or folders (see ``sources``)."""
+    out: str
+    """Output folder."""
+    tokenizer: str | None = None
+    """Local Hugging Face fast-tokenizer folder."""
+    train_tokenizer: int | None = None
+    """Train a WordPiece tokenizer of this vocabulary size on the inputs first."""
+    lowercase: bool = True
+    """Lower-case when training a tokenizer."""
+    max_length: int = 512
+    """Model sequence length including special tokens; rows hold that minus the specials."""
+    shard_size: int = 64 * 2**20
+    """Input bytes per shard (one work unit); output shards come out at a similar size."""
+    pack: bool = False
+    """Pack consecutive short rows into samples of up to the row limit."""
+    workers: int = 1
+    """Worker processes."""
+    on_error: str = "raise"
+    """``raise``: stop at the first bad record; ``skip``: skip it and log it to rejects.jsonl."""
+    num_tasks: int = 1
+    """Split the units over this many independent processes (e.g. a Slurm array)."""
+    task_index: int = 0
+    """Which of the ``num_tasks`` this process is."""
+    merge: bool = False
+    """Only write the manifest over all tasks' shards."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+    source: SourceOptions = field(default_factory=SourceOptions)
+
+    def __post_init__(self) -> None:
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.max_length < 3:
+            raise ValueError(f"max_length must be >= 3, got {self.max_length}")
+        if self.shard_size < 1:
+            raise ValueError(f"shard_size must be positive, got {self.shard_size}")
+        if not 0 <= self.task_index < self.num_tasks:
+            raise ValueError(f"task_index {self.task_index} outside [0, {self.num_tasks})")
+        if not self.merge and (self.tokenizer is None) == (self.train_tokenizer is None):
+            raise ValueError("give exactly one of --tokenizer DIR and --train-tokenizer VOCAB_SIZE")
+        if self.train_tokenizer is not None and self.num_tasks > 1:
+            raise ValueError(
+                "--train-tokenizer with --num-tasks > 1 would train one tokenizer per task; "
+                "train it once first (retromae-ds train-tokenizer) and pass --tokenizer"
+            )
+
+
+# --------------------------------------------------------------------------- file helpers
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(4 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_name(unit_index: int) -> str:
+    return f"part-{unit_index:06d}"
+
+
+# --------------------------------------------------------------------------- worker side
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(
+    backend_json: str, limit: int, pack: bool, on_error: str, source: SourceOptions, shard_dir: str
+) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(
+        backend=make_backend(backend_json),
+        limit=limit,
+        pack=pack,
+        on_error=on_error,
+        source=source,
+        shard_dir=Path(shard_dir),
+    )
+
+
+def _process_unit(unit: Unit) -> dict[str, Any]:
+    """Tokenize one unit and publish its shard; returns its completion record."""
+    w = _WORKER
+    try:
+        docs = read_unit(unit, w["source"], w["on_error"])
+    except InputError as exc:
+        return {"unit": unit.index, "error": str(exc)}
+    tokens = tokenize_documents(w["backend"], docs.texts)
+    batch, counts = build_batch(tokens, docs.ids, w["limit"], w["pack"])
+    name = shard_name(unit.index)
+    final = w["shard_dir"] / f"{name}{schema.SHARD_SUFFIX}"
+    tmp = final.with_name(f"{final.name}.tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema.SHARD_SCHEMA) as writer:
+        writer.write_batch(batch)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    delay = float(os.environ.get("RETROMAE_DS_TEST_DELAY_BEFORE_RENAME", "0"))
+    if delay:  # test hook: widens the window in which a kill lands mid-shard
+        time.sleep(delay)
+    os.replace(tmp, final)
+    record = {
+        "unit": unit.index,
+        "file": f"shards/{final.name}",
+        "bytes": final.stat().st_size,
+        "sha256": sha256_file(final),
+        **counts,
+        "rejects": docs.rejects,
+    }
+    atomic_write_text(final.with_suffix(".json"), dump_json(record))
+    return record
+
+
+# --------------------------------------------------------------------------- driver side
+def _all_texts(units: list[Unit], cfg: PreprocessConfig):
+    for unit in units:
+        yield from read_unit(unit, cfg.source, cfg.on_error).texts
+
+
+def _prepare_tokenizer(cfg: PreprocessConfig, out: Path, units: list[Unit]):
+    from retromae_ds.data.tokenizer import load_tokenizer, train_wordpiece
+
+    tok_dir = out / "tokenizer"
+    if cfg.train_tokenizer is not None:
+        if (tok_dir / "tokenizer.json").exists():  # resumed run: keep the tokenizer it trained
+            return load_tokenizer(tok_dir)
+        tmp = out / f"tokenizer.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        train_wordpiece(_all_texts(units, cfg), cfg.train_tokenizer, tmp, lowercase=cfg.lowercase)
+        os.replace(tmp, tok_dir)
+        return load_tokenizer(tok_dir)
+    tok = load_tokenizer(cfg.tokenizer)
+    if not (tok_dir / "tokenizer.json").exists():
+        tmp = out / f"tokenizer.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, tok_dir)
+        except OSError:  # another task published it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def _plan_document(
+    cfg: PreprocessConfig, units: list[Unit], plan_rejects: list, fp: dict, limit: int
+) -> dict:
+    inputs = expand_inputs(cfg.inputs)
+    return {
+        "schema_version": schema.SCHEMA_VERSION,
+        "inputs": [
+            {
+                "path": i.path,
+                "kind": i.kind,
+                "bytes": os.path.getsize(i.path) if os.path.isfile(i.path) else None,
+            }
+            for i in inputs
+        ],
+        "source": asdict(cfg.source),
+        "tokenizer": fp,
+        "max_length": cfg.max_length,
+        "max_tokens_per_row": limit,
+        "packed": cfg.pack,
+        "shard_size": cfg.shard_size,
+        "on_error": cfg.on_error,
+        "plan_rejects": plan_rejects,
+        "units": [u.to_json() for u in units],
+    }
+
+
+def _write_or_check_plan(out: Path, plan: dict) -> None:
+    path = out / PLAN_NAME
+    text = dump_json(plan)
+    if path.exists():
+        old = path.read_text(encoding="utf-8")
+        if old != text:
+            old_plan = json.loads(old)
+            keys = sorted(k for k in plan if old_plan.get(k) != plan[k])
+            raise ValueError(
+                f"{out}: holds a run with different settings or inputs (differs in: {', '.join(keys)}); "
+                "use another --out folder, or delete this one to start over"
+            )
+        return
+    atomic_write_text(path, text)
+
+
+def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
+    """Run (or resume) this task's share of the preprocessing; merge when it is the only
+    task. Returns the manifest (single task / merge) or this task's summary."""
+    out = Path(cfg.out)
+    if cfg.merge:
+        return merge(out, progress=cfg.progress)
+    out.mkdir(parents=True, exist_ok=True)
+    shard_dir = out / "shards"
+    shard_dir.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    units, plan_rejects = plan_units(
+        expand_inputs(cfg.inputs), cfg.shard_size, cfg.source, cfg.on_error
+    )
+    from retromae_ds.data.tokenizer import backend_json, fingerprint
+
+    tok = _prepare_tokenizer(cfg, out, units)
+    limit = cfg.max_length - tok.num_special_tokens_to_add(pair=False)
+    fp = fingerprint(tok)
+    _write_or_check_plan(out, _plan_document(cfg, units, plan_rejects, fp, limit))
+
+    mine = [u for u in units if u.index % cfg.num_tasks == cfg.task_index]
+    todo = [u for u in mine if not _unit_complete(shard_dir, u.index)]
+    for u in todo:  # leftovers of a killed run of this unit; never visible as shards
+        for stale in shard_dir.glob(f"{shard_name(u.index)}.arrow.tmp*"):
+            stale.unlink()
+    stats = _run_units(cfg, todo, backend_json(tok), limit, shard_dir, len(mine) - len(todo))
+    elapsed = time.perf_counter() - started
+    if cfg.num_tasks == 1:
+        manifest = merge(out, progress=False)
+        _print_summary(manifest["counts"], len(manifest["shards"]), elapsed, stats)
+        return manifest
+    marker = out / "tasks" / f"task-{cfg.task_index:05d}-of-{cfg.num_tasks:05d}.json"
+    marker.parent.mkdir(exist_ok=True)
+    summary = {
+        "task_index": cfg.task_index,
+        "num_tasks": cfg.num_tasks,
+        "units": [u.index for u in mine],
+    }
+    atomic_write_text(marker, dump_json(summary))
+    print(
+        f"preprocess task {cfg.task_index}/{cfg.num_tasks}: {len(mine)} shards "
+        f"({len(mine) - len(todo)} kept from an earlier run) in {elapsed:.1f}s; "
+        f"run with --merge once every task is done",
+        flush=True,
+    )
+    return summary
+
+
+def _unit_complete(shard_dir: Path, unit_index: int) -> bool:
+    record = shard_dir / f"{shard_name(unit_index)}.json"
+    shard = shard_dir / f"{shard_name(unit_index)}{schema.SHARD_SUFFIX}"
+    if not (record.exists() and shard.exists()):
+        return False
+    try:
+        return json.loads(record.read_text())["bytes"] == shard.stat().st_size
+    except (ValueError, KeyError):
+        return False
+
+
+def _run_units(
+    cfg: PreprocessConfig, todo: list[Unit], backend: str, limit: int, shard_dir: Path, kept: int
+) -> dict:
+    from tqdm import tqdm
+
+    init_args = (backend, limit, cfg.pack, cfg.on_error, cfg.source, str(shard_dir))
+    totals = {"documents": 0, "tokens": 0, "kept": kept}
+    bar = tqdm(
+        total=len(todo), unit="shard", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True
+    )
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if cfg.workers == 1 or len(todo) <= 1:
+            _init_worker(*init_args)
+            results = map(_process_unit, todo)
+        else:
+            ctx = mp.get_context("spawn")  # fork after Rust thread pools have run can deadlock
+            pool = stack.enter_context(
+                ctx.Pool(min(cfg.workers, len(todo)), _init_worker, init_args)
+            )
+            stack.callback(pool.terminate)
+            results = pool.imap_unordered(_process_unit, todo)
+        for record in results:
+            if "error" in record:
+                bar.close()
+                raise InputError(record["error"])
+            totals["documents"] += record["documents"]
+            totals["tokens"] += record["tokens"]
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(
+                f"{totals['documents'] / dt:,.0f} docs/s, {totals['tokens'] / dt:,.0f} tok/s",
+                refresh=False,
+            )
+            bar.update(1)
+    bar.close()
+    totals["seconds"] = time.perf_counter() - t0
+    return totals
+
+
+def merge(out: Path, progress: bool = True) -> dict[str, Any]:
+    """Write ``manifest.json`` (and ``rejects.jsonl``) over every unit's shard. Fails, naming
+    the missing units and their tasks, unless every unit of the plan is complete."""
+    plan_path = out / PLAN_NAME
+    if not plan_path.exists():
+        raise FileNotFoundError(f"{plan_path}: no plan; run preprocessing before --merge")
+    plan = json.loads(plan_path.read_text(encoding="utf-8"))
+    shard_dir = out / "shards"
+    units = plan["units"]
+    missing = [u["index"] for u in units if not _unit_complete(shard_dir, u["index"])]
+    if missing:
+        raise RuntimeError(
+            f"{out}: {len(missing)} of {len(units)} shards are not complete (first: "
+            f"{', '.join(shard_name(i) for i in missing[:5])}); rerun the tasks that own them"
+        )
+    records = [
+        json.loads((shard_dir / f"{shard_name(u['index'])}.json").read_text()) for u in units
+    ]
+    counts = {
+        k: sum(r[k] for r in records)
+        for k in ("documents", "empty_documents", "rows", "packs", "tokens")
+    }
+    rejects = list(plan["plan_rejects"]) + [rej for r in records for rej in r["rejects"]]
+    counts["rejected"] = len(rejects)
+    manifest = {
+        "format": "retromae-ds-shards",
+        "schema_version": plan["schema_version"],
+        "tokenizer": plan["tokenizer"],
+        "max_length": plan["max_length"],
+        "max_tokens_per_row": plan["max_tokens_per_row"],
+        "packed": plan["packed"],
+        "counts": counts,
+        "shards": [
+            {k: r[k] for k in ("file", "rows", "packs", "documents", "tokens", "bytes", "sha256")}
+            for r in records
+        ],
+    }
+    if plan["on_error"] == "skip":
+        atomic_write_text(
+            out / REJECTS_NAME,
+            "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rejects),
+        )
+    atomic_write_text(out / schema.MANIFEST_NAME, dump_json(manifest))
+    return manifest
+
+
+def _print_summary(counts: dict, shards: int, elapsed: float, stats: dict) -> None:
+    rate = stats["seconds"] or 1e-9
+    print(
+        f"preprocess: {counts['documents']:,} documents ({counts['empty_documents']:,} empty, "
+        f"{counts['rejected']:,} rejected) -> {counts['rows']:,} rows, {counts['tokens']:,} tokens "
+        f"in {shards} shards ({stats['kept']} kept from an earlier run); {elapsed:.1f}s, "
+        f"{stats['documents'] / rate:,.0f} docs/s, {stats['tokens'] / rate:,.0f} tok/s",
+        flush=True,
+    )

@@ -1,0 +1,150 @@
+"""Documents → shard rows: tokenization with word-start flags, chunking and packing.
+
+Pure functions of (tokenizer, documents, limits); no I/O. The preprocessing tool calls these
+in worker processes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from retromae_ds.data import schema
+
+
+@dataclass
+class TokenizedDocs:
+    """Documents tokenized back to back: doc d owns ``ids[offsets[d]:offsets[d+1]]``."""
+
+    ids: np.ndarray  # int32 [T]
+    word_starts: np.ndarray  # uint8 [T]
+    offsets: np.ndarray  # int64 [D+1]
+
+
+def make_backend(backend_json: str):
+    """A Rust tokenizer that treats special-token strings in raw text as plain text, so a
+    document containing the literal text "[SEP]" cannot inject a separator id."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(backend_json)
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = True
+    return backend
+
+
+def tokenize_documents(backend, texts: list[str], batch_size: int = 1024) -> TokenizedDocs:
+    """Tokenize without special tokens; word starts come from the encodings' word ids."""
+    id_lists: list[list[int]] = []
+    word_lists: list[list[int | None]] = []
+    for begin in range(0, len(texts), batch_size):
+        for enc in backend.encode_batch(
+            texts[begin : begin + batch_size], add_special_tokens=False
+        ):
+            id_lists.append(enc.ids)
+            word_lists.append(enc.word_ids)
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
+    offsets = np.zeros(len(id_lists) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
+    flat_words = itertools.chain.from_iterable(word_lists)
+    try:
+        words = np.fromiter(flat_words, dtype=np.int64, count=total)
+    except TypeError:  # a token outside any word (word id None): make it its own word
+        words = np.array(
+            [-1 if w is None else w for w in itertools.chain.from_iterable(word_lists)],
+            dtype=np.int64,
+        )
+    starts = np.ones(total, dtype=np.uint8)
+    if total > 1:
+        starts[1:] = words[1:] != words[:-1]
+    starts[words < 0] = 1
+    starts[offsets[:-1][lengths > 0]] = 1
+    return TokenizedDocs(ids, starts, offsets)
+
+
+def chunk_cuts(word_starts: np.ndarray, offsets: np.ndarray, limit: int) -> np.ndarray:
+    """Row boundaries over the concatenated tokens: each document is split into consecutive
+    chunks of at most ``limit`` tokens, cutting before a word start where one lies within the
+    window so that words stay whole; empty documents produce no row. Returns sorted cut points
+    (the first is 0, the last is the total token count)."""
+    if limit < 1:
+        raise ValueError(f"chunk limit must be >= 1, got {limit}")
+    lengths = np.diff(offsets)
+    cuts = [offsets[:-1][lengths > 0]]
+    for doc in np.flatnonzero(lengths > limit):
+        begin, end = int(offsets[doc]), int(offsets[doc + 1])
+        starts = (np.flatnonzero(word_starts[begin:end]) + begin).tolist()
+        extra = []
+        pos = begin
+        while end - pos > limit:
+            # the last word start in (pos, pos + limit]
+            k = bisect.bisect_right(starts, pos + limit) - 1
+            cut = starts[k] if k >= 0 and starts[k] > pos else pos + limit
+            extra.append(cut)
+            pos = cut
+        cuts.append(np.asarray(extra, dtype=np.int64))
+    cuts.append(np.asarray([offsets[-1]], dtype=np.int64))
+    return np.unique(np.concatenate(cuts).astype(np.int64))
+
+
+def pack_rows(row_lengths: np.ndarray, limit: int) -> np.ndarray:
+    """Greedy packing of consecutive rows into samples of at most ``limit`` tokens.
+    Returns the pack id of every row (non-decreasing, from 0)."""
+    pack_ids = np.empty(len(row_lengths), dtype=np.int32)
+    pack, used = 0, 0
+    for i, n in enumerate(row_lengths.tolist()):
+        if used and used + n > limit:
+            pack, used = pack + 1, 0
+        pack_ids[i] = pack
+        used += n
+    return pack_ids
+
+
+def build_batch(
+    docs: TokenizedDocs, doc_ids: list[str], limit: int, pack: bool
+) -> tuple[pa.RecordBatch, dict[str, int]]:
+    """One record batch of shard rows for these documents, and its counts."""
+    cuts = chunk_cuts(docs.word_starts, docs.offsets, limit)
+    row_lengths = np.diff(cuts)
+    row_starts = cuts[:-1]
+    if len(row_starts):
+        row_doc = np.searchsorted(docs.offsets, row_starts, side="right") - 1
+        first_row_of_doc = np.searchsorted(row_starts, docs.offsets[row_doc], side="left")
+        chunk_index = (np.arange(len(row_starts)) - first_row_of_doc).astype(np.int32)
+    else:
+        row_doc = np.zeros(0, dtype=np.int64)
+        chunk_index = np.zeros(0, dtype=np.int32)
+    if int(cuts[-1]) >= 2**31:
+        raise ValueError("shard holds 2**31 tokens or more; lower the shard size")
+    list_offsets = pa.array(cuts.astype(np.int32))
+    pack_ids = (
+        pack_rows(row_lengths, limit) if pack else np.arange(len(row_lengths), dtype=np.int32)
+    )
+    ids_list = (
+        np.asarray(doc_ids, dtype=object)[row_doc] if len(row_doc) else np.zeros(0, dtype=object)
+    )
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.ListArray.from_arrays(list_offsets, pa.array(docs.ids, type=pa.int32())),
+            pa.ListArray.from_arrays(list_offsets, pa.array(docs.word_starts, type=pa.uint8())),
+            pa.array(ids_list, type=pa.string()),
+            pa.array(chunk_index, type=pa.int32()),
+            pa.array(pack_ids, type=pa.int32()),
+        ],
+        schema=schema.SHARD_SCHEMA,
+    )
+    lengths = np.diff(docs.offsets)
+    counts = {
+        "documents": int(len(lengths)),
+        "empty_documents": int((lengths == 0).sum()),
+        "rows": int(len(row_lengths)),
+        "packs": int(pack_ids[-1]) + 1 if len(pack_ids) else 0,
+        "tokens": int(cuts[-1]),
+    }
+    return batch, counts

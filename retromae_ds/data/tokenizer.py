@@ -1,0 +1,132 @@
+"""Tokenizers: load a local Hugging Face fast tokenizer, train a WordPiece one, fingerprint it.
+
+Nothing here downloads. The fingerprint (class, vocabulary hash, special-token ids) is written
+into every shard manifest and checked by the reader, so a run cannot silently pair shards with
+a different vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKEN_ATTRS = ("cls", "sep", "pad", "mask", "unk", "bos", "eos")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """Load a fast tokenizer from a local folder (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder not found: {folder}")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many types; name the folder either way
+        raise ValueError(f"cannot load a tokenizer from {folder}: {exc}") from exc
+    if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
+        raise ValueError(
+            f"{folder}: tokenizer {type(tok).__name__} is not a fast (Rust) tokenizer; "
+            "word-start flags need the fast tokenizer's word ids"
+        )
+    return tok
+
+
+def backend_json(tok: Any) -> str:
+    """The Rust tokenizer as JSON, with truncation and padding switched off."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend.to_str()
+
+
+def fingerprint(tok: Any) -> dict[str, Any]:
+    """Identity of a tokenizer as far as token ids are concerned."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    special = {
+        name: getattr(tok, f"{name}_token_id", None)
+        for name in SPECIAL_TOKEN_ATTRS
+        if getattr(tok, f"{name}_token", None) is not None
+    }
+    return {
+        "class": type(tok).__name__.removesuffix("Fast"),
+        "vocab_size": len(vocab),
+        "vocab_sha256": digest,
+        "special_token_ids": special,
+    }
+
+
+def fingerprint_mismatch(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two fingerprints; empty when they agree."""
+    problems = []
+    for key in ("class", "vocab_size", "vocab_sha256", "special_token_ids"):
+        if expected.get(key) != actual.get(key):
+            problems.append(
+                f"{key}: shards have {expected.get(key)!r}, tokenizer has {actual.get(key)!r}"
+            )
+    return problems
+
+
+def train_wordpiece(
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, lowercase: bool = True
+) -> Any:
+    """Train a BERT-style WordPiece tokenizer on ``texts`` and save it to ``out_dir``.
+
+    Deterministic for the same texts in the same order. Returns the loaded fast tokenizer.
+    """
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=specials, min_frequency=2, show_progress=False
+    )
+    backend.train_from_iterator(_batched(texts), trainer=trainer)
+    cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out))
+    return load_tokenizer(out)
+
+
+def _batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
