@@ -1,0 +1,36 @@
+"""Shared fixtures: a small WordPiece tokenizer trained once per session, and the real data
+in ../shared/data (tests that need it skip, saying why, when it is absent)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(os.environ.get("RETROMAE_DS_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
+
+from synthetic import synthetic_texts
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from retromae_ds.data.tokenizer import train_wordpiece
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_wordpiece(synthetic_texts(400, seed=1), 200, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from retromae_ds.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data folder {SHARED_DATA} is absent (set RETROMAE_DS_SHARED_DATA)")
+    return SHARED_DATA
