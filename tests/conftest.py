@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(os.environ.get("RETROMAE_DS_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-
 from synthetic import synthetic_texts
+
+SHARED_DATA = Path(
+    os.environ.get(
+        "RETROMAE_DS_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    )
+)
 
 
 @pytest.fixture(scope="session")

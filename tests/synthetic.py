@@ -17,5 +17,7 @@ def synthetic_texts(n: int, seed: int = 0, max_words: int = 60) -> list[str]:
     texts = []
     for i in range(n):
         k = 0 if i % 17 == 5 else rng.randint(1, max_words if i % 7 else max_words * 6)
-        texts.append(" ".join(rng.choice(WORDS) + ("s" if rng.random() < 0.2 else "") for _ in range(k)))
+        texts.append(
+            " ".join(rng.choice(WORDS) + ("s" if rng.random() < 0.2 else "") for _ in range(k))
+        )
     return texts

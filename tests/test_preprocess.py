@@ -19,6 +19,7 @@ import pytest
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.sources import InputError, SourceOptions
+
 from synthetic import synthetic_texts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,9 +61,11 @@ def rows_by_document(out: Path) -> dict[str, list[tuple[int, list[int], list[int
     ds = ShardDataset(out)
     rows: dict[str, list] = {}
     for i in range(len(ds)):
-        (doc_id, chunk), = ds.source(i)
+        ((doc_id, chunk),) = ds.source(i)
         sample = ds[i]
-        rows.setdefault(doc_id, []).append((chunk, sample.input_ids.tolist(), sample.word_starts.tolist()))
+        rows.setdefault(doc_id, []).append(
+            (chunk, sample.input_ids.tolist(), sample.word_starts.tolist())
+        )
     return rows
 
 
@@ -97,7 +100,11 @@ def test_chunks_concatenate_to_the_full_tokenization(tmp_path, tokenizer_dir, to
     counts = manifest["counts"]
     assert counts["documents"] == len(texts)
     assert counts["empty_documents"] == sum(1 for t in texts if not t.strip()) > 0
-    assert counts["rows"] == sum(len(v) for v in rows.values()) > len(texts) - counts["empty_documents"]
+    assert (
+        counts["rows"]
+        == sum(len(v) for v in rows.values())
+        > len(texts) - counts["empty_documents"]
+    )
     assert len(manifest["shards"]) > 1
 
 
@@ -135,7 +142,9 @@ def test_packing_fills_samples_up_to_the_limit(tmp_path, tokenizer_dir):
     ds_plain, ds_packed = ShardDataset(tmp_path / "plain"), ShardDataset(tmp_path / "packed")
     assert len(ds_packed) == packed["counts"]["packs"]
     stream = np.concatenate([ds_packed[i].input_ids for i in range(len(ds_packed))])
-    assert np.array_equal(stream, np.concatenate([ds_plain[i].input_ids for i in range(len(ds_plain))]))
+    assert np.array_equal(
+        stream, np.concatenate([ds_plain[i].input_ids for i in range(len(ds_plain))])
+    )
     for i in range(len(ds_packed)):
         sample = ds_packed[i]
         assert len(sample.input_ids) <= 38 and sample.segment_lengths.sum() == len(sample.input_ids)
@@ -156,9 +165,13 @@ def test_every_input_format(tmp_path, tokenizer_dir):
     beir.mkdir()
     write_jsonl(beir / "corpus.jsonl", texts, with_title=True)
     parquet = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"id": ["p0", "p1"], "body": ["parquet doc one", "parquet doc two"]}), parquet)
+    pq.write_table(
+        pa.table({"id": ["p0", "p1"], "body": ["parquet doc one", "parquet doc two"]}), parquet
+    )
     hf = tmp_path / "hf"
-    datasets.Dataset.from_dict({"text": ["hf doc one", "hf doc two", "hf doc three"]}).save_to_disk(str(hf))
+    datasets.Dataset.from_dict({"text": ["hf doc one", "hf doc two", "hf doc three"]}).save_to_disk(
+        str(hf)
+    )
 
     def docs(inputs, **source):
         out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
@@ -167,13 +180,21 @@ def test_every_input_format(tmp_path, tokenizer_dir):
         return m["counts"], [ds.source(i)[0][0] for i in range(len(ds))]
 
     counts, ids = docs([jsonl])
-    assert counts["documents"] == 4 and counts["empty_documents"] == 1 and ids == ["doc0", "doc2", "doc3"]
+    assert (
+        counts["documents"] == 4
+        and counts["empty_documents"] == 1
+        and ids == ["doc0", "doc2", "doc3"]
+    )
     assert docs([gz]) == (counts, ids)
     # a BEIR folder joins title and text: the title adds rows' tokens, and the empty text keeps its title
     beir_counts, beir_ids = docs([beir])
     assert beir_ids == ["doc0", "doc1", "doc2", "doc3"] and beir_counts["tokens"] > counts["tokens"]
     counts, ids = docs([txt_lines])
-    assert counts["documents"] == 4 and counts["empty_documents"] == 1 and ids == ["c.txt:1", "c.txt:2", "c.txt:4"]
+    assert (
+        counts["documents"] == 4
+        and counts["empty_documents"] == 1
+        and ids == ["c.txt:1", "c.txt:2", "c.txt:4"]
+    )
     counts, ids = docs([txt_lines], txt_mode="paragraph")
     assert counts["documents"] == 2 and ids == ["c.txt:1", "c.txt:4"]
     counts, ids = docs([parquet], text_field="body")
@@ -182,14 +203,18 @@ def test_every_input_format(tmp_path, tokenizer_dir):
     assert counts["documents"] == 3 and ids == ["hf:0", "hf:1", "hf:2"]
 
 
-def test_real_wikitext_and_scifact_are_identical_for_one_and_two_workers(tmp_path, shared_data, tokenizer_dir):
+def test_real_wikitext_and_scifact_are_identical_for_one_and_two_workers(
+    tmp_path, shared_data, tokenizer_dir
+):
     inputs = [shared_data / "scifact" / "corpus.jsonl"]
     wiki = shared_data / "wikitext2" / "wiki.test.raw"
     # .raw is plain text with blank-line-separated paragraphs: give it a .txt name
     (tmp_path / "wiki.txt").symlink_to(wiki)
     kw = dict(max_length=128, shard_size=512 * 1024, source=SourceOptions(txt_mode="paragraph"))
-    m1 = preprocess([*inputs, tmp_path / "wiki.txt"], tmp_path / "w1", tokenizer_dir, workers=1, **kw)
-    m2 = preprocess([*inputs, tmp_path / "wiki.txt"], tmp_path / "w2", tokenizer_dir, workers=2, **kw)
+    m1 = preprocess(
+        [*inputs, tmp_path / "wiki.txt"], tmp_path / "w1", tokenizer_dir, workers=1, **kw
+    )
+    preprocess([*inputs, tmp_path / "wiki.txt"], tmp_path / "w2", tokenizer_dir, workers=2, **kw)
     assert m1["counts"]["documents"] > 5183 and len(m1["shards"]) >= 4
     assert output_files(tmp_path / "w1") == output_files(tmp_path / "w2")
 
@@ -198,7 +223,9 @@ def test_identical_across_worker_counts_and_runs(tmp_path, tokenizer_dir):
     src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(300, seed=8))
     outs = []
     for name, workers in (("a", 1), ("b", 2), ("c", 2)):
-        preprocess([src], tmp_path / name, tokenizer_dir, workers=workers, shard_size=3000, max_length=32)
+        preprocess(
+            [src], tmp_path / name, tokenizer_dir, workers=workers, shard_size=3000, max_length=32
+        )
         outs.append(output_files(tmp_path / name))
     assert len([k for k in outs[0] if k.endswith(".arrow")]) > 3
     assert outs[0] == outs[1] == outs[2]
@@ -209,7 +236,9 @@ def test_tasks_then_merge_equal_one_local_run(tmp_path, tokenizer_dir):
     kw = dict(shard_size=3000, max_length=32)
     preprocess([src], tmp_path / "local", tokenizer_dir, **kw)
     for task in (2, 0):  # any order
-        summary = preprocess([src], tmp_path / "tasks", tokenizer_dir, num_tasks=3, task_index=task, **kw)
+        summary = preprocess(
+            [src], tmp_path / "tasks", tokenizer_dir, num_tasks=3, task_index=task, **kw
+        )
         assert summary["units"] and all(u % 3 == task for u in summary["units"])
     assert not (tmp_path / "tasks" / "manifest.json").exists()
     with pytest.raises(RuntimeError, match="not complete"):
@@ -229,8 +258,19 @@ def test_rerun_with_other_settings_into_the_same_folder_is_refused(tmp_path, tok
 # ---------------------------------------------------------------------- resume after a kill
 def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
     src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(400, seed=10))
-    args = ["preprocess", str(src), "--out", str(tmp_path / "out"), "--tokenizer", str(tokenizer_dir),
-            "--shard-size", "2KB", "--max-length", "32", "--no-progress"]
+    args = [
+        "preprocess",
+        str(src),
+        "--out",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--shard-size",
+        "2KB",
+        "--max-length",
+        "32",
+        "--no-progress",
+    ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "retromae_ds.cli", *args],
         cwd=REPO,
@@ -272,8 +312,16 @@ def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
 # ---------------------------------------------------------------------- bad input
 BAD_LINES = {
     "malformed": (b'{"_id": "x", "text": "fine"}\n{"_id": "y", "text": \n', 2, "malformed JSON"),
-    "missing_field": (b'{"_id": "x", "text": "fine"}\n{"_id": "y", "body": "no text"}\n', 2, "missing text field 'text'"),
-    "bad_utf8": (b'{"_id": "x", "text": "fine"}\n{"_id": "y", "text": "caf\xe9"}\n', 2, "invalid UTF-8"),
+    "missing_field": (
+        b'{"_id": "x", "text": "fine"}\n{"_id": "y", "body": "no text"}\n',
+        2,
+        "missing text field 'text'",
+    ),
+    "bad_utf8": (
+        b'{"_id": "x", "text": "fine"}\n{"_id": "y", "text": "caf\xe9"}\n',
+        2,
+        "invalid UTF-8",
+    ),
     "not_object": (b'{"_id": "x", "text": "fine"}\n["a list"]\n', 2, "expected a JSON object"),
 }
 
@@ -284,8 +332,16 @@ def test_bad_record_stops_with_file_and_line(tmp_path, tokenizer_dir, case):
     good = write_jsonl(tmp_path / "good.jsonl", synthetic_texts(30))
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(content)
-    result = cli("preprocess", str(good), str(bad), "--out", str(tmp_path / "out"),
-                 "--tokenizer", str(tokenizer_dir), "--no-progress")
+    result = cli(
+        "preprocess",
+        str(good),
+        str(bad),
+        "--out",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--no-progress",
+    )
     assert result.returncode != 0
     assert f"{bad}:{line}: {reason}" in result.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
@@ -302,13 +358,30 @@ def test_skip_mode_logs_every_rejected_line(tmp_path, tokenizer_dir):
     broken_gz = tmp_path / "broken.jsonl.gz"
     broken_gz.write_bytes(b"this is not gzip data")
     missing.symlink_to(tmp_path / "nowhere.jsonl")  # an unreadable input
-    result = cli("preprocess", str(bad), str(missing), str(broken_gz), "--out", str(tmp_path / "out"),
-                 "--tokenizer", str(tokenizer_dir), "--on-error", "skip", "--no-progress")
+    result = cli(
+        "preprocess",
+        str(bad),
+        str(missing),
+        str(broken_gz),
+        "--out",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--on-error",
+        "skip",
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr
-    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    rejects = [
+        json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()
+    ]
     in_bad = [(r["line"], r["reason"]) for r in rejects if r["file"] == str(bad)]
-    expected = [(2, "malformed JSON"), (4, "missing text field 'text'"), (6, "invalid UTF-8"),
-                (8, "expected a JSON object")]
+    expected = [
+        (2, "malformed JSON"),
+        (4, "missing text field 'text'"),
+        (6, "invalid UTF-8"),
+        (8, "expected a JSON object"),
+    ]
     assert len(in_bad) == len(expected)
     for (line, reason), (want_line, want_reason) in zip(in_bad, expected, strict=True):
         assert line == want_line and reason.startswith(want_reason)
@@ -322,8 +395,15 @@ def test_skip_mode_logs_every_rejected_line(tmp_path, tokenizer_dir):
 
 def test_unreadable_and_unsupported_inputs_have_clear_errors(tmp_path, tokenizer_dir):
     def run(*inputs):
-        return cli("preprocess", *map(str, inputs), "--out", str(tmp_path / "out"),
-                   "--tokenizer", str(tokenizer_dir), "--no-progress")
+        return cli(
+            "preprocess",
+            *map(str, inputs),
+            "--out",
+            str(tmp_path / "out"),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--no-progress",
+        )
 
     (tmp_path / "doc.pdf").write_bytes(b"%PDF")
     result = run(tmp_path / "doc.pdf")
@@ -350,7 +430,9 @@ def test_missing_tokenizer_and_conflicting_options(tmp_path):
 
 def test_train_tokenizer_and_input_error_type(tmp_path):
     src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(100, seed=11))
-    cfg = PreprocessConfig(inputs=[str(src)], out=str(tmp_path / "out"), train_tokenizer=150, progress=False)
+    cfg = PreprocessConfig(
+        inputs=[str(src)], out=str(tmp_path / "out"), train_tokenizer=150, progress=False
+    )
     manifest = run_preprocess(cfg)
     assert manifest["tokenizer"]["vocab_size"] <= 150
     assert (tmp_path / "out" / "tokenizer" / "tokenizer.json").exists()
@@ -359,4 +441,8 @@ def test_train_tokenizer_and_input_error_type(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "x"}\n{oops\n')
     with pytest.raises(InputError, match=r"bad.jsonl:2: malformed JSON"):
-        run_preprocess(PreprocessConfig(inputs=[str(bad)], out=str(tmp_path / "o2"), train_tokenizer=50, progress=False))
+        run_preprocess(
+            PreprocessConfig(
+                inputs=[str(bad)], out=str(tmp_path / "o2"), train_tokenizer=50, progress=False
+            )
+        )

@@ -7,7 +7,13 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.data.tokenize import build_batch, chunk_cuts, make_backend, pack_rows, tokenize_documents
+from retromae_ds.data.tokenize import (
+    build_batch,
+    chunk_cuts,
+    make_backend,
+    pack_rows,
+    tokenize_documents,
+)
 from retromae_ds.data.tokenizer import backend_json
 
 from synthetic import synthetic_texts
@@ -80,7 +86,9 @@ def test_word_starts_follow_the_tokenizers_word_ids(tokenizer):
         enc = backend.encode(text, add_special_tokens=False)
         a, b = docs.offsets[d], docs.offsets[d + 1]
         assert docs.ids[a:b].tolist() == enc.ids
-        expected = [1 if i == 0 or w != enc.word_ids[i - 1] else 0 for i, w in enumerate(enc.word_ids)]
+        expected = [
+            1 if i == 0 or w != enc.word_ids[i - 1] else 0 for i, w in enumerate(enc.word_ids)
+        ]
         assert docs.word_starts[a:b].tolist() == expected
     assert docs.word_starts.sum() < len(docs.ids), "sub-word pieces exist, so some flags are 0"
 
@@ -102,7 +110,9 @@ def test_build_batch_rows_concatenate_back_to_documents(tokenizer):
     assert counts["tokens"] == len(docs.ids)
     assert counts["empty_documents"] == sum(1 for t in texts if not t)
     rebuilt: dict[str, list[int]] = {}
-    for doc_id, chunk, row in zip(table["doc_id"], table["chunk_index"], table["input_ids"], strict=True):
+    for doc_id, chunk, row in zip(
+        table["doc_id"], table["chunk_index"], table["input_ids"], strict=True
+    ):
         assert chunk == len(rebuilt.get(doc_id, []))
         assert 0 < len(row) <= 10
         rebuilt.setdefault(doc_id, []).append(row)

@@ -239,10 +239,14 @@ class ShardDataset:
         # flat position j of sample b reads begin[b] + (j - offsets[b]) in that sample's shard
         within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
         src = np.repeat(begin, lengths) + within
+        shards = np.unique(shard_of).tolist()
+        if len(shards) == 1:
+            shard = self._shard(shards[0])
+            return Batch(shard.ids[src], shard.word_starts[src], offsets)
         ids = np.empty(offsets[-1], dtype=np.int32)
         starts = np.empty(offsets[-1], dtype=np.uint8)
         owner = np.repeat(shard_of, lengths)
-        for k in np.unique(shard_of).tolist():
+        for k in shards:
             sel = owner == k
             shard = self._shard(k)
             ids[sel] = shard.ids[src[sel]]

@@ -204,9 +204,9 @@ def _prepare_tokenizer(cfg: PreprocessConfig, out: Path, units: list[Unit]):
 
 
 def _plan_document(
-    cfg: PreprocessConfig, units: list[Unit], plan_rejects: list, fp: dict, limit: int
+    cfg: PreprocessConfig, inputs: list, units: list[Unit], plan_rejects: list, fp: dict, limit: int
 ) -> dict:
-    inputs = expand_inputs(cfg.inputs)
+    """Everything that shapes the output; a resumed run must match it exactly."""
     return {
         "schema_version": schema.SCHEMA_VERSION,
         "inputs": [
@@ -255,15 +255,14 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     shard_dir = out / "shards"
     shard_dir.mkdir(exist_ok=True)
     started = time.perf_counter()
-    units, plan_rejects = plan_units(
-        expand_inputs(cfg.inputs), cfg.shard_size, cfg.source, cfg.on_error
-    )
+    inputs = expand_inputs(cfg.inputs)
+    units, plan_rejects = plan_units(inputs, cfg.shard_size, cfg.source, cfg.on_error)
     from retromae_ds.data.tokenizer import backend_json, fingerprint
 
     tok = _prepare_tokenizer(cfg, out, units)
     limit = cfg.max_length - tok.num_special_tokens_to_add(pair=False)
     fp = fingerprint(tok)
-    _write_or_check_plan(out, _plan_document(cfg, units, plan_rejects, fp, limit))
+    _write_or_check_plan(out, _plan_document(cfg, inputs, units, plan_rejects, fp, limit))
 
     mine = [u for u in units if u.index % cfg.num_tasks == cfg.task_index]
     todo = [u for u in mine if not _unit_complete(shard_dir, u.index)]
