@@ -129,7 +129,10 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
         text_field=args.text_field, title_field=args.title_field, txt_mode=args.txt_mode
     )
     units, _ = plan_units(expand_inputs(args.inputs), 64 * 2**20, opts)
-    texts = (t for u in units for t in read_unit(u, opts).texts)
+
+    def texts():
+        return (t for u in units for t in read_unit(u, opts).texts)
+
     tok = train_wordpiece(texts, args.vocab_size, args.out, lowercase=args.lowercase)
     print(f"train-tokenizer: {len(tok)} tokens -> {args.out}")
     return 0

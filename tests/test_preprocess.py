@@ -446,3 +446,26 @@ def test_train_tokenizer_and_input_error_type(tmp_path):
                 inputs=[str(bad)], out=str(tmp_path / "o2"), train_tokenizer=50, progress=False
             )
         )
+
+
+def test_trained_tokenizer_and_output_are_identical_across_runs(tmp_path):
+    # The Rust WordPiece trainer alone gives a different vocabulary from run to run (hash-map
+    # order); ours must not, or "byte-identical for any run" would fail for --train-tokenizer.
+    src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(300, seed=12, max_words=120))
+    outs = []
+    for name in ("a", "b", "c"):
+        cfg = PreprocessConfig(
+            inputs=[str(src)],
+            out=str(tmp_path / name),
+            train_tokenizer=180,
+            progress=False,
+            max_length=64,
+        )
+        run_preprocess(cfg)
+        outs.append(
+            (
+                output_files(tmp_path / name),
+                (tmp_path / name / "tokenizer" / "tokenizer.json").read_bytes(),
+            )
+        )
+    assert outs[0] == outs[1] == outs[2]

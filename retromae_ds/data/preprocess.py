@@ -188,7 +188,9 @@ def _prepare_tokenizer(cfg: PreprocessConfig, out: Path, units: list[Unit]):
             return load_tokenizer(tok_dir)
         tmp = out / f"tokenizer.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        train_wordpiece(_all_texts(units, cfg), cfg.train_tokenizer, tmp, lowercase=cfg.lowercase)
+        train_wordpiece(
+            lambda: _all_texts(units, cfg), cfg.train_tokenizer, tmp, lowercase=cfg.lowercase
+        )
         os.replace(tmp, tok_dir)
         return load_tokenizer(tok_dir)
     tok = load_tokenizer(cfg.tokenizer)

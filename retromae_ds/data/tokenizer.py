@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,11 +74,19 @@ def fingerprint_mismatch(expected: dict[str, Any], actual: dict[str, Any]) -> li
 
 
 def train_wordpiece(
-    texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, lowercase: bool = True
+    texts: Callable[[], Iterable[str]] | list[str],
+    vocab_size: int,
+    out_dir: str | Path,
+    *,
+    lowercase: bool = True,
 ) -> Any:
-    """Train a BERT-style WordPiece tokenizer on ``texts`` and save it to ``out_dir``.
+    """Train a BERT-style WordPiece tokenizer and save it to ``out_dir``.
 
-    Deterministic for the same texts in the same order. Returns the loaded fast tokenizer.
+    ``texts`` is a list or a function returning a fresh iterable (it is read twice).
+    Deterministic: the same texts give the same vocabulary in every run. The Rust trainer
+    alone is not (huggingface/tokenizers#1794: continuation pieces ``##c`` get ids in
+    hash-map order, and ids break ties between equally frequent merges), so every ``##c``
+    of the corpus alphabet is registered, in sorted order, before training starts.
     """
     from tokenizers import (
         Tokenizer,
@@ -91,15 +99,37 @@ def train_wordpiece(
     )
     from transformers import PreTrainedTokenizerFast
 
+    read = (lambda: texts) if isinstance(texts, list) else texts
+    normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    alphabet: set[str] = set()
+    for text in read():
+        alphabet.update(normalizer.normalize_str(text))
+    alphabet -= set(" \t\n\r")
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    pieces = [f"##{c}" for c in sorted(alphabet)]
+
+    trainer_backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    trainer_backend.normalizer = normalizer
+    trainer_backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials + pieces,
+        min_frequency=2,
+        show_progress=False,
+    )
+    trainer_backend.train_from_iterator(_batched(read()), trainer=trainer)
+
+    # Rebuild so that only the real special tokens are special; the ##c pieces stay ordinary
+    # vocabulary entries.
+    backend = Tokenizer(
+        models.WordPiece(
+            trainer_backend.get_vocab(), unk_token="[UNK]", continuing_subword_prefix="##"
+        )
+    )
+    backend.normalizer = normalizer
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=specials, min_frequency=2, show_progress=False
-    )
-    backend.train_from_iterator(_batched(texts), trainer=trainer)
+    backend.add_special_tokens(specials)
     cls_id, sep_id = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
     backend.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
