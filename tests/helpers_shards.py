@@ -78,12 +78,14 @@ def random_rows(
 
 
 def record_batch(rows: ShardRows, arrow_schema: pa.Schema = schema.SHARD_SCHEMA) -> pa.RecordBatch:
+    """The rows as one record batch of ``arrow_schema`` (the shard schema, or a deliberately
+    wrong one cast from it, for tests of what the reader refuses)."""
     n = rows.num_rows
     offsets = pa.array(np.asarray(rows.offsets, dtype=np.int32))
     doc_ids = rows.doc_ids if rows.doc_ids is not None else [f"row{r}" for r in range(n)]
     chunk_index = rows.chunk_index if rows.chunk_index is not None else np.zeros(n, np.int32)
     pack_ids = rows.pack_ids if rows.pack_ids is not None else np.arange(n, dtype=np.int32)
-    return pa.RecordBatch.from_arrays(
+    batch = pa.RecordBatch.from_arrays(
         [
             pa.ListArray.from_arrays(offsets, pa.array(rows.ids, type=pa.int32())),
             pa.ListArray.from_arrays(offsets, pa.array(rows.word_starts, type=pa.uint8())),
@@ -91,8 +93,9 @@ def record_batch(rows: ShardRows, arrow_schema: pa.Schema = schema.SHARD_SCHEMA)
             pa.array(np.asarray(chunk_index, dtype=np.int32), type=pa.int32()),
             pa.array(np.asarray(pack_ids, dtype=np.int32), type=pa.int32()),
         ],
-        schema=arrow_schema,
+        schema=schema.SHARD_SCHEMA,
     )
+    return batch if arrow_schema.equals(batch.schema) else batch.cast(arrow_schema)
 
 
 def write_shard(
@@ -154,21 +157,24 @@ def write_corpus(
     shards: list[ShardRows],
     *,
     packed: bool = False,
-    record_batches: int = 1,
+    record_batches: int | list[int] = 1,
     checksum: bool = True,
     **manifest_fields: Any,
 ) -> dict[str, Any]:
-    """A complete synthetic corpus folder; returns its manifest."""
+    """A complete synthetic corpus folder; returns its manifest. ``record_batches``: per
+    shard, or one count for all."""
+    if isinstance(record_batches, int):
+        record_batches = [record_batches] * len(shards)
     shard_dir = folder / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
     entries = [
         write_shard(
             shard_dir / f"{shard_name(k)}{schema.SHARD_SUFFIX}",
             rows,
-            record_batches=record_batches,
+            record_batches=batches,
             checksum=checksum,
         )
-        for k, rows in enumerate(shards)
+        for k, (rows, batches) in enumerate(zip(shards, record_batches, strict=True))
     ]
     return write_manifest(folder, entries, packed=packed, **manifest_fields)
 

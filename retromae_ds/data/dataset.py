@@ -2,9 +2,10 @@
 
 ``ShardDataset(folder)[i]`` returns sample ``i`` as zero-copy numpy views into the mapped
 shard files; ``get_batch(indices)`` gathers many samples with vectorised numpy. Opening reads
-only the manifest and the shards' Arrow footers: a corpus far larger than RAM costs nothing
-until samples are touched, and then only the pages they live on (the maps are advised for
-random access, so the kernel does not read ahead around each sample).
+only the manifest (and checks the files' sizes); a shard's Arrow footer is read, and its schema
+and row count checked, on first access. A corpus far larger than RAM costs nothing until
+samples are touched, and then only the pages they live on (the maps are advised for random
+access, so the kernel does not read ahead around each sample).
 
 A sample is one row, or with a packed corpus one pack of consecutive rows (still one
 contiguous, zero-copy slice). Usable in DataLoader workers: maps are opened lazily per process.
@@ -72,9 +73,15 @@ class _Shard:
             os.close(fd)
         if hasattr(mmap, "MADV_RANDOM"):
             self._map.madvise(mmap.MADV_RANDOM)
-        reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._map)))
-        schema.check_schema(reader.schema, str(path))
-        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        try:
+            reader = pa.ipc.open_file(pa.BufferReader(pa.py_buffer(self._map)))
+            schema.check_schema(reader.schema, str(path))
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except pa.ArrowException as exc:
+            raise ValueError(
+                f"{path}: not a readable Arrow shard ({exc}); check the folder with verify=True "
+                "or re-run preprocessing"
+            ) from exc
         table = (
             pa.Table.from_batches(batches, schema=reader.schema).combine_chunks()
             if len(batches) > 1
@@ -178,7 +185,16 @@ class ShardDataset:
             self._open, self._pid = {}, os.getpid()
         shard = self._open.get(k)
         if shard is None:
-            shard = self._open[k] = _Shard(self._paths[k])
+            shard = _Shard(self._paths[k])
+            meta = self.manifest["shards"][k]
+            rows = len(shard.offsets) - 1
+            packs = int(shard.pack_ids[-1]) + 1 if rows else 0
+            if rows != meta["rows"] or (self.packed and packs != meta["packs"]):
+                raise ValueError(
+                    f"{self._paths[k]}: {rows} rows / {packs} packs, the manifest says "
+                    f"{meta['rows']} / {meta['packs']}; the folder is inconsistent"
+                )
+            self._open[k] = shard
         return shard
 
     def _locate(self, index: int) -> tuple[int, int]:

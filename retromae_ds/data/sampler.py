@@ -9,8 +9,8 @@ Rank ``r`` of ``W`` reads global positions ``r, r + W, r + 2W, ...``. The remain
 (``num_samples % W``) is handled by ``remainder``:
 
 - ``"pad"`` (default, for training): the order is extended by its own first positions so that
-  every rank gets ``ceil(N / W)`` samples; every sample is seen at least once per epoch and
-  exactly ``(-N) % W`` samples twice.
+  every rank gets ``ceil(N / W)`` samples; every sample is seen at least once per epoch, with
+  ``(-N) % W`` extra reads of the samples at the start of the order.
 - ``"drop"``: the last ``N % W`` positions of the order are dropped; ranks are disjoint, every
   rank gets ``N // W`` samples, and the dropped ones differ from epoch to epoch.
 - ``"uneven"`` (for evaluation and encoding): ranks are disjoint and together cover every
@@ -138,10 +138,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         of the epoch moves to the next one."""
         if n < 0:
             raise ValueError("cannot advance by a negative count")
+        length = len(self)
+        if length == 0:  # this rank has nothing to read (e.g. "uneven" with rank >= N)
+            return
         self.consumed += n
-        while self.consumed >= len(self):
-            self.consumed -= len(self)
-            self.epoch, self._perm = self.epoch + 1, None
+        if self.consumed >= length:
+            self.epoch += self.consumed // length
+            self.consumed %= length
+            self._perm = None
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -157,7 +161,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "num_samples", "num_replicas", "shuffle", "remainder"):
+        for key in ("seed", "num_samples", "num_replicas", "rank", "shuffle", "remainder"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"sampler state has {key}={state[key]!r}, this run has {getattr(self, key)!r}; "
