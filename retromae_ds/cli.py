@@ -153,6 +153,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from retromae_ds.export import export_encoder
+
+    out = export_encoder(args.checkpoint, args.out, pooling=args.pooling)
+    print(f"export: encoder -> {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retromae-ds", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check every shard's sha256")
     p.set_defaults(func=cmd_inspect)
 
+    p = sub.add_parser("export", help="encoder of a checkpoint -> Hugging Face folder")
+    p.add_argument("checkpoint", help="a complete checkpoint folder, or a run folder")
+    p.add_argument("out")
+    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("demo", help="the main job on the built-in corpus")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--workers", type=int, default=2)
@@ -187,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pretrain"]:  # free-form --section.field overrides: parsed by the trainer
+        from retromae_ds.train import main as pretrain_main
+
+        return pretrain_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

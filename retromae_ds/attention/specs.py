@@ -1,0 +1,38 @@
+"""Mask specifications: the *rules* deciding which keys a query sees, as small tensors.
+
+A spec carries O(B·L) data (word ids, lengths, seeds); backends either materialise the rule
+(reference) or evaluate it per block inside a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from retromae_ds.masks import two_stream_visible_dense
+
+
+@dataclass
+class MaskSpec:
+    """Base class: ``dense()`` returns the B×L×L boolean visibility (True = attend)."""
+
+    def dense(self, L: int) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass
+class TwoStreamSpec(MaskSpec):
+    """RetroMAE enhanced decoding: see ``retromae_ds.masks`` for the exact rule."""
+
+    word_ids_BL: torch.Tensor
+    lengths_B: torch.Tensor
+    seeds_B: torch.Tensor
+    ratio: float
+
+    def dense(self, L: int) -> torch.Tensor:
+        if self.word_ids_BL.shape[1] != L:
+            raise ValueError(
+                f"spec covers {self.word_ids_BL.shape[1]} positions, attention has {L}"
+            )
+        return two_stream_visible_dense(self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio)

@@ -1,0 +1,212 @@
+"""Batch collation for pre-training: whole-word MLM masking and the decoder's inputs.
+
+Vectorised numpy over the whole batch (no per-token Python loops), and a pure function of
+(run seed, epoch, global sample index, sample content): the same sample is masked the same way
+whatever the DataLoader worker count, and a resumed run re-creates the batches it would have
+seen. Set ``collator.epoch`` before creating each epoch's DataLoader iterator.
+
+Encoder input, per row: ``[CLS] tokens [SEP] [PAD]...``. Exactly ``round(ratio × words)``
+whole words are chosen (the words with the smallest per-row hash keys: a uniformly random
+subset), and each of their tokens becomes [MASK] (80 %), a random non-special token (10 %) or
+stays (10 %). Special tokens are recognised by id and never masked.
+
+Decoder (RetroMAE): ``original_ids`` (unmasked input, for the key/value stream),
+``decoder_labels`` (every real token except specials), and what the attention needs to
+*compute* position-specific visibility: ``word_ids`` (CLS 0, words 1.., SEP its own word,
+padding -1), ``lengths`` and a per-row ``decoder_seed``. The B×L×L mask itself is built only by
+the reference attention path (``retromae_ds.masks.two_stream_visible_dense``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from retromae_ds.masks import MASK32, hash3, row_seeds, threshold
+
+IGNORE = -100
+STREAM_WORDS, STREAM_REPLACE, STREAM_RANDOM, STREAM_DECODER = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    cls: int
+    sep: int
+    pad: int
+    mask: int
+    all: tuple[int, ...]
+    vocab_size: int
+
+    @classmethod
+    def from_fingerprint(cls, fp: dict[str, Any]) -> SpecialIds:
+        ids = fp["special_token_ids"]
+        cls_id = ids.get("cls", ids.get("bos"))
+        sep_id = ids.get("sep", ids.get("eos"))
+        missing = [
+            n
+            for n, v in (
+                ("cls", cls_id),
+                ("sep", sep_id),
+                ("pad", ids.get("pad")),
+                ("mask", ids.get("mask")),
+            )
+            if v is None
+        ]
+        if missing:
+            raise ValueError(f"tokenizer lacks special tokens needed for pre-training: {missing}")
+        return cls(
+            cls_id,
+            sep_id,
+            ids["pad"],
+            ids["mask"],
+            tuple(sorted(set(ids.values()))),
+            fp["vocab_size"],
+        )
+
+
+@dataclass(kw_only=True)
+class MaskingConfig:
+    """Masking ratios of the pre-training objectives."""
+
+    encoder_ratio: float = 0.3
+    """Share of whole words masked in the encoder input (RetroMAE 0.3; BERT-style MLM 0.15)."""
+    decoder_ratio: float = 0.5
+    """Share of words each decoder query position may not see (RetroMAE's aggressive ratio)."""
+    replace_mask: float = 0.8
+    """Of the masked tokens: share replaced by [MASK]."""
+    replace_random: float = 0.1
+    """Of the masked tokens: share replaced by a random token (the rest stay unchanged)."""
+
+    def __post_init__(self) -> None:
+        for name in ("encoder_ratio", "decoder_ratio", "replace_mask", "replace_random"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"masking.{name} must be in [0, 1], got {value}")
+        if self.replace_mask + self.replace_random > 1.0:
+            raise ValueError("masking.replace_mask + masking.replace_random must be <= 1")
+
+
+class IndexedSamples(torch.utils.data.Dataset):
+    """Wraps a ShardDataset so that items carry their global index (the collator's seed)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        sample = self.dataset[index]
+        return index, sample.input_ids, sample.word_starts
+
+
+class PretrainCollator:
+    """Collate ``(index, input_ids, word_starts)`` items into model inputs (see module doc)."""
+
+    def __init__(
+        self,
+        special: SpecialIds,
+        masking: MaskingConfig,
+        max_length: int,
+        *,
+        seed: int = 0,
+        decoder: bool = True,
+        pad_to_multiple_of: int = 8,
+    ) -> None:
+        self.special, self.masking, self.max_length = special, masking, max_length
+        self.seed, self.decoder, self.pad_to_multiple_of = seed, decoder, pad_to_multiple_of
+        self.epoch = 0
+        is_special = np.zeros(special.vocab_size, dtype=bool)
+        is_special[list(special.all)] = True
+        self._replacements = np.flatnonzero(~is_special).astype(np.int64)
+
+    def __call__(self, items: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+        sp, cfg = self.special, self.masking
+        indices = np.fromiter((it[0] for it in items), dtype=np.int64, count=len(items))
+        n = np.fromiter((len(it[1]) for it in items), dtype=np.int64, count=len(items))
+        if len(items) == 0:
+            raise ValueError("empty batch")
+        if n.max() + 2 > self.max_length:
+            raise ValueError(
+                f"a sample of {int(n.max())} tokens does not fit max_length {self.max_length} with [CLS]/[SEP]"
+            )
+        B = len(items)
+        lengths = n + 2
+        L = int(lengths.max())
+        L = -(-L // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        content_ids = np.concatenate([it[1] for it in items]).astype(np.int64)
+        content_ws = np.concatenate([it[2] for it in items]).astype(np.int64)
+
+        rows = np.repeat(np.arange(B), n)
+        starts = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n, out=starts[1:])
+        cols = np.arange(len(content_ids)) - starts[rows] + 1
+        content_ws[starts[:-1][n > 0]] = 1  # a chunk's first token starts a word for masking
+
+        ids = np.full((B, L), sp.pad, dtype=np.int64)
+        ids[:, 0] = sp.cls
+        ids[rows, cols] = content_ids
+        ids[np.arange(B), n + 1] = sp.sep
+        # word ids: CLS 0, content words 1..W_b, SEP W_b + 1, padding -1
+        words_per_row = np.bincount(rows, weights=content_ws, minlength=B).astype(np.int64)
+        token_word = np.cumsum(content_ws) - np.repeat(np.cumsum(words_per_row) - words_per_row, n)
+        word_ids = np.full((B, L), -1, dtype=np.int64)
+        word_ids[:, 0] = 0
+        word_ids[rows, cols] = token_word
+        word_ids[np.arange(B), n + 1] = words_per_row + 1
+
+        # ---- encoder: exactly round(ratio * words) whole words per row, chosen by hash keys
+        seeds_words = row_seeds(self.seed, self.epoch, indices, STREAM_WORDS)
+        word_row = np.repeat(np.arange(B), words_per_row)
+        word_first = np.cumsum(words_per_row) - words_per_row
+        word_num = np.arange(len(word_row)) - word_first[word_row] + 1  # 1..W_b
+        keys = hash3(seeds_words[word_row], word_num, np.int64(0))
+        order = np.lexsort((word_num, keys, word_row))  # by row, then key (ties: word number)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order)) - word_first[word_row[order]]
+        k_row = np.floor(cfg.encoder_ratio * words_per_row + 0.5).astype(np.int64)
+        chosen_word = rank < k_row[word_row]
+        masked_content = chosen_word[word_first[rows] + token_word - 1]
+
+        labels = np.full((B, L), IGNORE, dtype=np.int64)
+        m_rows, m_cols = rows[masked_content], cols[masked_content]
+        labels[m_rows, m_cols] = content_ids[masked_content]
+        u = hash3(
+            row_seeds(self.seed, self.epoch, indices, STREAM_REPLACE)[m_rows], m_cols, np.int64(1)
+        )
+        to_mask = u < threshold(cfg.replace_mask)
+        to_random = ~to_mask & (u < threshold(cfg.replace_mask + cfg.replace_random))
+        input_ids = ids.copy()
+        input_ids[m_rows[to_mask], m_cols[to_mask]] = sp.mask
+        r = hash3(
+            row_seeds(self.seed, self.epoch, indices, STREAM_RANDOM)[m_rows[to_random]],
+            m_cols[to_random],
+            np.int64(2),
+        )
+        input_ids[m_rows[to_random], m_cols[to_random]] = self._replacements[
+            r % len(self._replacements)
+        ]
+
+        attention_mask = (np.arange(L)[None, :] < lengths[:, None]).astype(np.int64)
+        batch = {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(labels),
+            "sample_index": torch.from_numpy(indices),
+        }
+        if self.decoder:
+            decoder_labels = np.full((B, L), IGNORE, dtype=np.int64)
+            decoder_labels[rows, cols] = content_ids
+            batch.update(
+                original_ids=torch.from_numpy(ids),
+                decoder_labels=torch.from_numpy(decoder_labels),
+                word_ids=torch.from_numpy(word_ids),
+                lengths=torch.from_numpy(lengths),
+                decoder_seed=torch.from_numpy(
+                    row_seeds(self.seed, self.epoch, indices, STREAM_DECODER) & MASK32
+                ),
+            )
+        return batch

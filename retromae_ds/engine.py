@@ -1,0 +1,179 @@
+"""The one module that talks to DeepSpeed: process group, engine, and checkpoint I/O.
+
+Rank and world size come from the environment, whoever launched us: one plain process,
+``torchrun``, the ``deepspeed`` launcher (RANK / WORLD_SIZE / LOCAL_RANK) or ``srun``
+(SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID). CUDA uses NCCL; CPU uses gloo with DeepSpeed's
+CPU accelerator (``DS_ACCELERATOR=cpu``).
+
+Batch size, accumulation and gradient clipping come from the training config and are written
+into the DeepSpeed dict here; a ds_config file that sets them differently is an error rather
+than a silent override. The optimizer is ``torch.optim.AdamW`` passed from code (a
+config-declared optimizer would JIT-build fused Adam for ~90 s on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True)
+class DeepSpeedSettings:
+    """How DeepSpeed runs: ZeRO stage / offload and precision, as ds_config JSON files."""
+
+    config: list[str] = field(
+        default_factory=lambda: ["ds_configs/zero2.json", "ds_configs/fp32.json"]
+    )
+    """ds_config files merged in order (ZeRO settings, then precision)."""
+    timeout_s: int = 600
+    """Collective timeout: a rank that died makes the others fail after this, not hang."""
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        if os.environ.get(name, "") != "":
+            return int(os.environ[name])
+    return default
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed(timeout_s: int = 600) -> DistInfo:
+    """Initialise the process group (idempotent) and return this process's place in it."""
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise RuntimeError("multi-process run without MASTER_ADDR / MASTER_PORT in the environment")
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import datetime
+
+    import deepspeed
+
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=backend, verbose=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    return DistInfo(rank, world, local, device, backend)
+
+
+def build_ds_config(
+    files: list[str],
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int,
+    grad_clip: float,
+    cuda: bool,
+) -> dict[str, Any]:
+    """Merge the ds_config files and write the training config's batch settings into them."""
+    merged: dict[str, Any] = {}
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            path = Path(__file__).resolve().parents[1] / name  # relative to the repository
+        if not path.is_file():
+            raise FileNotFoundError(f"ds_config file not found: {name}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: invalid JSON ({exc})") from exc
+        _deep_update(merged, data)
+    wanted = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "gradient_clipping": grad_clip,
+    }
+    for key, value in wanted.items():
+        if key in merged and merged[key] not in (value, "auto"):
+            raise ValueError(
+                f"ds_config sets {key}={merged[key]!r} but the training config implies {value!r}; "
+                "set batch size, accumulation and clipping in the training config only"
+            )
+        merged[key] = value
+    if not cuda and merged.get("fp16", {}).get("enabled"):
+        raise ValueError("fp16 does not run on CPU; use ds_configs/bf16.json or fp32.json")
+    merged["zero_allow_untested_optimizer"] = True
+    return merged
+
+
+def _deep_update(into: dict, new: dict) -> None:
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _deep_update(into[k], v)
+        else:
+            into[k] = v
+
+
+def initialize(model: torch.nn.Module, optimizer, scheduler, ds_config: dict[str, Any]):
+    """Wrap model/optimizer/scheduler in a DeepSpeed engine."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+    return engine
+
+
+def save_engine(engine, folder: Path, tag: str, client_state: dict[str, Any]) -> None:
+    """DeepSpeed state (module, optimizer, scheduler) into ``folder/tag``; every rank calls it."""
+    engine.save_checkpoint(str(folder), tag=tag, client_state=client_state, save_latest=False)
+
+
+def load_engine(engine, folder: Path, tag: str) -> dict[str, Any]:
+    path, client_state = engine.load_checkpoint(str(folder), tag=tag)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {folder / tag}")
+    return client_state
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        values = values.clone()
+        torch.distributed.all_reduce(values)
+        values /= torch.distributed.get_world_size()
+    return values
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Full (unpartitioned) module weights on rank 0 (None elsewhere), for any ZeRO stage."""
+    if engine.zero_optimization_partition_weights():
+        state = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state = engine.module.state_dict()
+    return state if torch.distributed.get_rank() == 0 else None

@@ -1,0 +1,1 @@
+"""Models: the encoder, decoder blocks and the pre-training objectives."""

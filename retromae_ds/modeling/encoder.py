@@ -1,0 +1,85 @@
+"""The encoder: a Hugging Face masked-LM model of the BERT / RoBERTa / XLM-R families.
+
+Either loaded from a local checkpoint folder, or built from scratch from a named size preset
+(``tiny``, ``small``, ``base``) with the vocabulary of the shards' tokenizer. The sentence
+embedding is the last-layer hidden state at position 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PRESETS = {
+    # name: (layers, hidden, heads, intermediate)
+    "tiny": (2, 128, 2, 512),
+    "small": (4, 256, 4, 1024),
+    "base": (12, 768, 12, 3072),
+}
+
+
+@dataclass(kw_only=True)
+class EncoderConfig:
+    """Which encoder to train."""
+
+    name: str = "tiny"
+    """A preset (tiny, small, base) trained from scratch, or a local Hugging Face MLM folder."""
+    max_position_embeddings: int = 512
+    """Positions of a from-scratch encoder (>= the shards' max length)."""
+    dropout: float = 0.1
+    """Hidden and attention dropout of a from-scratch encoder."""
+    gradient_checkpointing: bool = False
+    """Recompute encoder activations in the backward pass to save memory."""
+
+    def __post_init__(self) -> None:
+        if self.name not in PRESETS and not Path(self.name).is_dir():
+            raise ValueError(
+                f"model.encoder.name: {self.name!r} is neither a preset {sorted(PRESETS)} nor a local folder"
+            )
+
+
+def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module:
+    """A masked-LM model: from the preset (random init, fixed by torch's seed) or the folder."""
+    from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
+
+    if cfg.name in PRESETS:
+        layers, hidden, heads, inter = PRESETS[cfg.name]
+        config = BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=inter,
+            max_position_embeddings=cfg.max_position_embeddings,
+            hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.dropout,
+            pad_token_id=pad_id,
+        )
+        model = BertForMaskedLM(config)
+    else:
+        model = AutoModelForMaskedLM.from_pretrained(cfg.name, local_files_only=True)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(
+                f"{cfg.name}: model vocabulary {model.config.vocab_size} < tokenizer vocabulary {vocab_size}; "
+                "preprocess the shards with this model's tokenizer"
+            )
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def mlm_head(model: nn.Module) -> nn.Module:
+    """The MLM prediction head (transform + vocabulary projection) of a HF masked-LM model."""
+    for name in ("cls", "lm_head"):
+        head = getattr(model, name, None)
+        if head is not None:
+            return head
+    raise TypeError(f"{type(model).__name__}: no MLM head found (expected .cls or .lm_head)")
+
+
+def encode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last-layer hidden states [B, L, H] of the encoder body."""
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

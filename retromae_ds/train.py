@@ -1,0 +1,355 @@
+"""Pre-training: ``retromae-ds pretrain --config FILE [--section.field VALUE ...]``.
+
+Also ``python -m retromae_ds.train``. Reads shards, builds the collator and the model, wraps
+them in a DeepSpeed engine and trains, with checkpoints that resume exactly: a run stopped
+after step s and resumed (same world size, CPU) computes the same losses at every later step
+as an uninterrupted run. Launch it as one process, with ``torchrun``, the ``deepspeed``
+launcher or ``srun``; rank and world size come from the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retromae_ds import checkpoint as ckpt
+from retromae_ds import engine as eng
+from retromae_ds.config import build_config, to_dict
+from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator, SpecialIds
+from retromae_ds.data.dataset import ShardDataset
+from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.metrics_log import MetricsLogger
+from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
+from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    shards: str = ""
+    """Folder written by ``retromae-ds preprocess``."""
+    max_length: int = 0
+    """Model sequence length; 0 = the shards' max length."""
+    num_workers: int = 0
+    """DataLoader worker processes (results do not depend on it)."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and LayerNorm weights)."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Linear warm-up steps (0: use warmup_ratio)."""
+    warmup_ratio: float = 0.1
+    """Warm-up as a share of max_steps when warmup_steps is 0."""
+    schedule: str = "linear"
+    """Decay after warm-up: linear, cosine or constant."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("linear", "cosine", "constant"):
+            raise ValueError(
+                f"optim.schedule must be linear, cosine or constant, not {self.schedule!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save every N optimizer steps (0: only at the end)."""
+    keep_last: int = 3
+    """Complete checkpoints to keep (0: all)."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint of the run, if any), ``none``, or a path."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    run_dir: str = "runs/pretrain"
+    """Where checkpoints, metrics and resolved configs go."""
+    seed: int = 0
+    micro_batch_size: int = 8
+    """Samples per rank per forward pass."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    max_steps: int = 0
+    """Optimizer steps to train (0: derive from epochs)."""
+    epochs: float = 0.0
+    """Passes over the data when max_steps is 0."""
+    stop_at_step: int = 0
+    """Stop after this step with a checkpoint although max_steps is larger (time-boxed jobs;
+    the schedule still follows max_steps, so a resumed run continues exactly)."""
+    log_every: int = 10
+    progress: bool = True
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    deepspeed: eng.DeepSpeedSettings = field(default_factory=eng.DeepSpeedSettings)
+
+    def __post_init__(self) -> None:
+        if not self.data.shards:
+            raise ValueError("data.shards is required (a folder written by retromae-ds preprocess)")
+        if self.max_steps <= 0 and self.epochs <= 0:
+            raise ValueError("set max_steps or epochs")
+        if self.micro_batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("micro_batch_size and grad_accum must be >= 1")
+
+
+def lr_lambda(cfg: OptimConfig, max_steps: int):
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * max_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        if cfg.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) pre-training; returns the final metrics row on every rank."""
+    dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
+    run_dir = Path(cfg.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    torch.manual_seed(cfg.seed)
+
+    data = ShardDataset(cfg.data.shards)
+    manifest = data.manifest
+    max_length = cfg.data.max_length or manifest["max_length"]
+    if max_length < manifest["max_tokens_per_row"] + 2:
+        raise ValueError(
+            f"data.max_length {max_length} is shorter than the shards' rows ({manifest['max_length']})"
+        )
+    special = SpecialIds.from_fingerprint(manifest["tokenizer"])
+    is_retromae = cfg.model.objective.name == "retromae"
+    collator = PretrainCollator(
+        special, cfg.masking, max_length, seed=cfg.seed, decoder=is_retromae
+    )
+    sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        IndexedSamples(data),
+        batch_size=cfg.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=cfg.data.num_workers,
+        # a private generator: creating an iterator must not consume the global torch RNG,
+        # or dropout would differ between an uninterrupted and a resumed run
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    steps_per_epoch = max(1, len(sampler) // (cfg.micro_batch_size * cfg.grad_accum))
+    max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+
+    encoder = build_encoder(cfg.model.encoder, special.vocab_size, special.pad)
+    if encoder.config.max_position_embeddings < max_length:
+        raise ValueError(
+            f"encoder has {encoder.config.max_position_embeddings} positions < max_length {max_length}"
+        )
+    model = PretrainModel(encoder, cfg.model.objective, cfg.masking.decoder_ratio)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, max_steps))
+    ds_config = eng.build_ds_config(
+        cfg.deepspeed.config,
+        micro_batch=cfg.micro_batch_size,
+        grad_accum=cfg.grad_accum,
+        world_size=dist.world_size,
+        grad_clip=cfg.optim.grad_clip,
+        cuda=dist.device.type == "cuda",
+    )
+    engine = eng.initialize(model, optimizer, scheduler, ds_config)
+
+    step = 0
+    resume_from = ckpt.resolve_resume(cfg.checkpoint.resume, run_dir)
+    if resume_from is not None:
+        marker = ckpt.read_marker(resume_from)
+        if marker["world_size"] != dist.world_size:
+            raise ValueError(
+                f"{resume_from}: saved with world size {marker['world_size']}, this run has {dist.world_size}"
+            )
+        eng.load_engine(engine, resume_from.parent, resume_from.name)
+        rank_state = ckpt.read_rank_state(resume_from, dist.rank)
+        sampler.load_state_dict(rank_state["sampler"])
+        ckpt.set_rng_state(rank_state["rng"])
+        step = marker["step"]
+
+    logger = MetricsLogger(
+        run_dir, enabled=dist.rank == 0, progress=cfg.progress, total=max_steps, initial=step
+    )
+    if dist.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+        if resume_from is not None:
+            logger.note(f"resumed from {resume_from} at step {step}")
+
+    def save(at_step: int) -> None:
+        tag = ckpt.tag_for(at_step)
+        final, staging = ckpt_root / tag, ckpt_root / f"{tag}.partial"
+        if dist.rank == 0 and staging.exists():
+            import shutil
+
+            shutil.rmtree(staging)
+        eng.barrier()
+        eng.save_engine(engine, ckpt_root, staging.name, {"step": at_step})
+        ckpt.write_rank_state(
+            staging, dist.rank, {"sampler": sampler.state_dict(), "rng": ckpt.rng_state()}
+        )
+        _save_encoder(engine, staging / "encoder", cfg.data.shards)
+        if os.environ.get("RETROMAE_DS_TEST_CRASH_IN_SAVE") == str(at_step):
+            os._exit(17)  # test hook: die with the checkpoint half-published
+        eng.barrier()
+        if dist.rank == 0:
+            marker = {
+                "step": at_step,
+                "world_size": dist.world_size,
+                "objective": cfg.model.objective.name,
+            }
+            ckpt.publish(staging, final, marker, cfg.checkpoint.keep_last)
+        eng.barrier()
+
+    last: dict[str, Any] = {}
+    window: list[torch.Tensor] = []
+    tokens = 0
+    t_last = time.perf_counter()
+    micro = 0
+    while step < max_steps:
+        collator.epoch = sampler.epoch
+        for batch in loader:
+            batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
+            out = engine(batch)
+            engine.backward(out["loss"])
+            engine.step()
+            sampler.advance(len(batch["sample_index"]))
+            tokens += int(batch["attention_mask"].sum())
+            window.append(
+                torch.stack(
+                    [
+                        out["loss"].detach(),
+                        out["mlm_loss"],
+                        out.get("decoder_loss", out["mlm_loss"] * 0),
+                        out["mlm_accuracy"],
+                    ]
+                )
+            )
+            micro += 1
+            if micro % cfg.grad_accum:
+                continue
+            step += 1
+            if step % cfg.log_every == 0 or step == max_steps:
+                stats = eng.all_reduce_mean(torch.stack(window).mean(0).float())
+                tok = eng.all_reduce_mean(torch.tensor([float(tokens)])) * dist.world_size
+                now = time.perf_counter()
+                last = {
+                    "step": step,
+                    "loss": float(stats[0]),
+                    "mlm_loss": float(stats[1]),
+                    "mlm_accuracy": float(stats[3]),
+                    "lr": float(scheduler.get_last_lr()[0]),
+                    "tokens_per_s": float(tok[0]) / (now - t_last),
+                    "epoch": sampler.epoch,
+                }
+                if is_retromae:
+                    last["decoder_loss"] = float(stats[2])
+                logger.log(last)
+                window, tokens, t_last = [], 0, now
+            if (
+                cfg.checkpoint.every_steps
+                and step % cfg.checkpoint.every_steps == 0
+                and step < max_steps
+            ):
+                save(step)
+            logger.advance(step)
+            if step >= max_steps or step == cfg.stop_at_step:
+                break
+        if step == cfg.stop_at_step:
+            break
+    if (
+        not ckpt.latest_complete(ckpt_root)
+        or ckpt.read_marker(ckpt.latest_complete(ckpt_root))["step"] != step
+    ):
+        save(step)
+    logger.close()
+    return last
+
+
+def _save_encoder(engine, folder: Path, shards: str) -> None:
+    """Rank 0 writes the consolidated encoder as a Hugging Face folder (with the tokenizer)."""
+    state = eng.consolidated_state_dict(engine)
+    if state is None:
+        return
+    module = engine.module
+    with torch.random.fork_rng(devices=[]):  # building a model draws random weights: saving
+        _write_encoder(module, state, folder)  # must not move the training RNG streams
+    from retromae_ds.data.tokenizer import load_tokenizer
+
+    load_tokenizer(Path(shards) / "tokenizer").save_pretrained(str(folder))
+
+
+def _write_encoder(module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    encoder_state = {
+        k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")
+    }
+    fresh = type(module.encoder)(module.encoder.config)
+    missing, unexpected = fresh.load_state_dict(encoder_state, strict=False)
+    fresh.tie_weights()
+    tied = {k for k in missing if k.endswith(("decoder.weight", "decoder.bias"))}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(
+            f"encoder export: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
+    fresh.save_pretrained(str(folder), safe_serialization=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="retromae-ds pretrain", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--config", default=None, help="YAML or JSON training config")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = build_config(TrainConfig, args.config, overrides)
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
