@@ -74,6 +74,7 @@ def pretrain(
     shards: Path,
     *overrides: str,
     ranks: int = 1,
+    launcher: str = "torchrun",
     env: dict | None = None,
     check: bool = True,
 ):
@@ -98,6 +99,16 @@ def pretrain(
     ]
     if ranks == 1:
         cmd = [sys.executable, "-m", "retromae_ds.train", *args]
+    elif launcher == "deepspeed":
+        cmd = [
+            "deepspeed",
+            f"--num_gpus={ranks}",
+            "--master_port",
+            str(_free_port()),
+            "--module",
+            "retromae_ds.train",
+            *args,
+        ]
     else:
         cmd = [
             sys.executable,
@@ -121,6 +132,14 @@ def pretrain(
             + "\n".join(errors[-40:])
         )
     return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -259,3 +278,14 @@ def test_export_round_trip_matches_training_time_embeddings(tmp_path, synthetic_
         ).last_hidden_state[:, 0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, torch.zeros_like(expected))
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_and_torchrun_agree(tmp_path, synthetic_shards):
+    common = ["--max_steps", "3", "--log_every", "1"]
+    pretrain(tmp_path / "torchrun", synthetic_shards, *common, ranks=2)
+    pretrain(tmp_path / "deepspeed", synthetic_shards, *common, ranks=2, launcher="deepspeed")
+    a, b = metrics(tmp_path / "torchrun"), metrics(tmp_path / "deepspeed")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 3
+    final = ckpt.latest_complete(tmp_path / "deepspeed" / "checkpoints")
+    assert ckpt.read_marker(final)["world_size"] == 2
