@@ -66,7 +66,7 @@ def threshold(ratio: float) -> int:
 def row_seeds(seed: int, epoch: int, indices: np.ndarray, stream: int) -> np.ndarray:
     """Per-sample 32-bit seeds from (run seed, epoch, global sample index, stream)."""
     idx = np.asarray(indices, dtype=np.int64)
-    base = mix32(np.int64((seed * 0x9E37 + epoch * 0x85EB + stream * 0xC2B2) & MASK32))
+    base = hash3(np.int64(seed & MASK32), np.int64(epoch & MASK32), np.int64(stream & MASK32))
     return hash3(np.full_like(idx, base), idx & MASK32, (idx >> 32) & MASK32)
 
 

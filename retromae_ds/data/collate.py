@@ -8,7 +8,8 @@ seen. Set ``collator.epoch`` before creating each epoch's DataLoader iterator.
 Encoder input, per row: ``[CLS] tokens [SEP] [PAD]...``. Exactly ``round(ratio × words)``
 whole words are chosen (the words with the smallest per-row hash keys: a uniformly random
 subset), and each of their tokens becomes [MASK] (80 %), a random non-special token (10 %) or
-stays (10 %). Special tokens are recognised by id and never masked.
+stays (10 %). Special tokens (including an [UNK] inside the text) are recognised by id and are never
+masked, counted as words, or reconstruction targets.
 
 Decoder (RetroMAE): ``original_ids`` (unmasked input, for the key/value stream),
 ``decoder_labels`` (every real token except specials), and what the attention needs to
@@ -119,6 +120,7 @@ class PretrainCollator:
         self.special, self.masking, self.max_length = special, masking, max_length
         self.seed, self.decoder, self.pad_to_multiple_of = seed, decoder, pad_to_multiple_of
         self.epoch = 0
+        self._special_ids = np.asarray(special.all, dtype=np.int64)
         is_special = np.zeros(special.vocab_size, dtype=bool)
         is_special[list(special.all)] = True
         self._replacements = np.flatnonzero(~is_special).astype(np.int64)
@@ -136,7 +138,7 @@ class PretrainCollator:
         B = len(items)
         lengths = n + 2
         L = int(lengths.max())
-        L = -(-L // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        L = min(-(-L // self.pad_to_multiple_of) * self.pad_to_multiple_of, self.max_length)
         content_ids = np.concatenate([it[1] for it in items]).astype(np.int64)
         content_ws = np.concatenate([it[2] for it in items]).astype(np.int64)
 
@@ -158,18 +160,23 @@ class PretrainCollator:
         word_ids[rows, cols] = token_word
         word_ids[np.arange(B), n + 1] = words_per_row + 1
 
-        # ---- encoder: exactly round(ratio * words) whole words per row, chosen by hash keys
+        # ---- encoder: exactly round(ratio * words) whole words per row, chosen by hash keys.
+        # Words holding a special id (an [UNK] inside the text) are never candidates.
         seeds_words = row_seeds(self.seed, self.epoch, indices, STREAM_WORDS)
         word_row = np.repeat(np.arange(B), words_per_row)
         word_first = np.cumsum(words_per_row) - words_per_row
         word_num = np.arange(len(word_row)) - word_first[word_row] + 1  # 1..W_b
-        keys = hash3(seeds_words[word_row], word_num, np.int64(0))
+        token_flat_word = word_first[rows] + token_word - 1
+        special_token = np.isin(content_ids, self._special_ids)
+        candidate = np.bincount(token_flat_word[special_token], minlength=len(word_row)) == 0
+        keys = np.where(candidate, hash3(seeds_words[word_row], word_num, np.int64(0)), 2**33)
         order = np.lexsort((word_num, keys, word_row))  # by row, then key (ties: word number)
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order)) - word_first[word_row[order]]
-        k_row = np.floor(cfg.encoder_ratio * words_per_row + 0.5).astype(np.int64)
-        chosen_word = rank < k_row[word_row]
-        masked_content = chosen_word[word_first[rows] + token_word - 1]
+        candidates_per_row = np.bincount(word_row[candidate], minlength=B)
+        k_row = np.floor(cfg.encoder_ratio * candidates_per_row + 0.5).astype(np.int64)
+        chosen_word = (rank < k_row[word_row]) & candidate
+        masked_content = chosen_word[token_flat_word]
 
         labels = np.full((B, L), IGNORE, dtype=np.int64)
         m_rows, m_cols = rows[masked_content], cols[masked_content]
@@ -199,7 +206,7 @@ class PretrainCollator:
         }
         if self.decoder:
             decoder_labels = np.full((B, L), IGNORE, dtype=np.int64)
-            decoder_labels[rows, cols] = content_ids
+            decoder_labels[rows, cols] = np.where(special_token, IGNORE, content_ids)
             batch.update(
                 original_ids=torch.from_numpy(ids),
                 decoder_labels=torch.from_numpy(decoder_labels),
