@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
     p.set_defaults(func=cmd_export)
 
+    # listed for --help; parsed in main() so that other commands do not import torch/faiss
+    sub.add_parser("pretrain", help="pre-train on DeepSpeed (--config FILE, --section.field VALUE)")
+    sub.add_parser("eval", help="retrieval metrics of an encoder on a BEIR folder")
+
     p = sub.add_parser("demo", help="the main job on the built-in corpus")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--workers", type=int, default=2)
@@ -206,11 +210,21 @@ def main(argv: list[str] | None = None) -> int:
         from retromae_ds.train import main as pretrain_main
 
         return pretrain_main(argv[1:])
+    if argv[:1] == ["eval"]:
+        from retromae_ds.eval.run import add_eval_args, cmd_eval
+
+        parser = argparse.ArgumentParser(prog="retromae-ds eval")
+        add_eval_args(parser)
+        return _run(cmd_eval, parser.parse_args(argv[1:]), "eval")
     args = build_parser().parse_args(argv)
+    return _run(args.func, args, args.command)
+
+
+def _run(func, args: argparse.Namespace, command: str) -> int:
     try:
-        return args.func(args)
+        return func(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
-        print(f"retromae-ds {args.command}: error: {exc}", file=sys.stderr)
+        print(f"retromae-ds {command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
 
 

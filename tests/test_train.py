@@ -279,6 +279,18 @@ def test_export_round_trip_matches_training_time_embeddings(tmp_path, synthetic_
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, torch.zeros_like(expected))
 
+    # sentence-transformers loads the folder with CLS pooling and agrees with AutoModel
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    texts = ["retrieval encoder checkpoint", "masked auto encoder decoder sentence embedding"]
+    st = SentenceTransformer(str(out), device="cpu")
+    tok = AutoTokenizer.from_pretrained(str(out))
+    enc = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        cls = exported(**enc).last_hidden_state[:, 0]
+    torch.testing.assert_close(st.encode(texts, convert_to_tensor=True), cls, rtol=1e-5, atol=1e-5)
+
 
 @pytest.mark.slow
 def test_deepspeed_launcher_and_torchrun_agree(tmp_path, synthetic_shards):

@@ -1,0 +1,1 @@
+"""Retrieval evaluation: BEIR loading, encoding, metrics, and the ``retromae-ds eval`` job."""

@@ -1,0 +1,172 @@
+"""Texts to embeddings: a Hugging Face encoder wrapped as a plain ``list[str] -> ndarray`` callable.
+
+``HFEncoder.from_dir(folder, pooling="cls")`` loads a local model folder (``AutoTokenizer`` /
+``AutoModel``, offline); ``HFEncoder(model, tokenizer)`` wraps a model already in memory (the
+pre-training loop evaluating its own encoder). Calling it encodes in batches of texts of
+similar length (longest first, so padding is small and an out-of-memory error shows at once),
+under ``torch.inference_mode`` with a tqdm bar, and returns float32 ``[N, D]`` in input order.
+Pooling is the first token (``"cls"``, the RetroMAE sentence embedding) or the mask-weighted
+mean (``"mean"``, sentence-transformers models); ``normalize`` scales rows to unit length.
+
+Anything else that maps a list of strings to an ``[N, D]`` array can stand in for it:
+``encode_texts`` calls such an ``Encoder`` and checks what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+Encoder = Callable[[list[str]], np.ndarray]
+Pooling = Literal["cls", "mean"]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"``/None -> cuda when available, else cpu; anything else as torch reads it."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pool(
+    hidden_BLD: torch.Tensor, attention_mask_BL: torch.Tensor, pooling: Pooling
+) -> torch.Tensor:
+    """Sentence embeddings ``[B, D]`` from the last hidden states."""
+    if pooling == "cls":
+        return hidden_BLD[:, 0]
+    if pooling == "mean":
+        mask_BL1 = attention_mask_BL.unsqueeze(-1).to(hidden_BLD.dtype)
+        return (hidden_BLD * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
+    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+
+
+class HFEncoder:
+    """A Hugging Face encoder as an ``Encoder`` callable.
+
+    Args:
+        model: a transformers model whose output has ``last_hidden_state`` (or a tuple whose
+            first element is it). It is not moved unless ``device`` says so.
+        tokenizer: the matching tokenizer (fast or slow).
+        pooling: ``"cls"`` or ``"mean"``.
+        normalize: L2-normalise the embeddings.
+        max_length: tokens per text, special tokens included (longer texts are truncated);
+            capped by the tokenizer's ``model_max_length`` and the model's position embeddings.
+        batch_size: texts per forward pass.
+        device: ``"auto"`` keeps the model where it is; otherwise the model is moved there.
+        amp_dtype: run the forward pass under autocast with this dtype (e.g. bfloat16 on GPU).
+        progress: show a progress bar.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        *,
+        pooling: Pooling = "cls",
+        normalize: bool = False,
+        max_length: int = 512,
+        batch_size: int = 64,
+        device: str | torch.device | None = "auto",
+        amp_dtype: torch.dtype | None = None,
+        progress: bool = True,
+    ) -> None:
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+        if max_length < 2 or batch_size < 1:
+            raise ValueError(
+                f"need max_length >= 2 and batch_size >= 1, got {max_length}, {batch_size}"
+            )
+        if device is not None and device != "auto":
+            model = model.to(torch.device(device))
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        # never past what the tokenizer or the position embeddings support
+        limits = [
+            getattr(tokenizer, "model_max_length", None),
+            getattr(getattr(model, "config", None), "max_position_embeddings", None),
+        ]
+        self.max_length = min([max_length] + [n for n in limits if isinstance(n, int) and n > 0])
+        self.pooling, self.normalize, self.batch_size = pooling, normalize, batch_size
+        self.amp_dtype, self.progress = amp_dtype, progress
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: str | Path, *, device: str | torch.device | None = "auto", **kwargs
+    ) -> HFEncoder:
+        """Load a local model folder (never downloads); kwargs as for the constructor."""
+        from transformers import AutoModel, AutoTokenizer
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{model_dir}: not a Hugging Face model folder (no config.json)"
+            )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        return cls(model, tokenizer, device=resolve_device(device), **kwargs)
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def __call__(self, texts: Sequence[str], desc: str = "encode") -> np.ndarray:
+        """Embeddings float32 ``[len(texts), D]``, row i for ``texts[i]``."""
+        texts = list(texts)
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        out: np.ndarray | None = None
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with (
+                torch.inference_mode(),
+                tqdm(total=len(texts), desc=desc, unit="text", disable=not self.progress) as bar,
+            ):
+                for start in range(0, len(order), self.batch_size):
+                    rows = order[start : start + self.batch_size]
+                    emb_BD = self._encode_batch([texts[i] for i in rows])
+                    if out is None:
+                        out = np.empty((len(texts), emb_BD.shape[1]), dtype=np.float32)
+                    out[rows] = emb_BD
+                    bar.update(len(rows))
+        finally:
+            self.model.train(was_training)
+        return out if out is not None else np.empty((0, self.dim), dtype=np.float32)
+
+    def _encode_batch(self, texts: list[str]) -> np.ndarray:
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        batch = {name: t.to(self.device) for name, t in batch.items()}
+        with torch.autocast(
+            self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
+        ):
+            output = self.model(**batch)
+        hidden_BLD = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        emb_BD = pool(hidden_BLD, batch["attention_mask"], self.pooling).float()
+        if self.normalize:
+            emb_BD = torch.nn.functional.normalize(emb_BD, dim=-1)
+        return emb_BD.cpu().numpy()
+
+
+def encode_texts(encoder: Encoder, texts: Sequence[str], desc: str = "encode") -> np.ndarray:
+    """Call ``encoder`` on ``texts`` and check its answer: float32 ``[len(texts), D]``, finite."""
+    texts = list(texts)
+    result = encoder(texts, desc=desc) if isinstance(encoder, HFEncoder) else encoder(texts)
+    if isinstance(result, torch.Tensor):
+        result = result.detach().float().cpu().numpy()
+    result = np.asarray(result)
+    if result.ndim != 2 or result.shape[0] != len(texts):
+        raise ValueError(
+            f"encoder returned shape {result.shape} for {len(texts)} texts; expected [{len(texts)}, D]"
+        )
+    if not np.issubdtype(result.dtype, np.floating):
+        raise ValueError(f"encoder returned dtype {result.dtype}; expected floating point")
+    result = np.ascontiguousarray(result, dtype=np.float32)
+    if not np.isfinite(result).all():
+        raise ValueError("encoder returned NaN or infinite values")
+    return result

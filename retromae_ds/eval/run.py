@@ -1,0 +1,248 @@
+"""Dense-retrieval evaluation on a BEIR dataset: encode, exact search, metrics, report.
+
+``evaluate_beir(model_dir_or_encoder, beir_dir, split="test")`` encodes the corpus and the
+split's queries, searches the top ``max(k)`` documents per query by exact inner product
+(``retromae_ds.index``), computes nDCG@10, MRR@10, Recall@100/1000 (``retromae_ds.eval.metrics``),
+prints a small table and optionally writes everything (means, per-query values, settings,
+timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
+that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
+
+    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling cls|mean] [--normalize]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from retromae_ds.eval.beir import BeirData, load_beir
+from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
+from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
+from retromae_ds.index import Backend, ExactIndex, Metric
+
+
+def retrieve(
+    query_emb_QD: np.ndarray,
+    corpus_emb_ND: np.ndarray,
+    query_ids: Sequence[str],
+    corpus_ids: Sequence[str],
+    k: int,
+    *,
+    metric: Metric = "ip",
+    backend: Backend = "auto",
+    ignore_identical_ids: bool = True,
+) -> Run:
+    """``{qid: {doc id: score}}``, the top k documents of each query by exact search.
+
+    ``ignore_identical_ids`` drops a document whose id equals the query id (BEIR's default,
+    for datasets such as ArguAna and Quora where a query is also in the corpus); one extra
+    document is retrieved so that k remain.
+    """
+    if len(query_ids) != len(query_emb_QD) or len(corpus_ids) != len(corpus_emb_ND):
+        raise ValueError("ids and embeddings differ in length")
+    index = ExactIndex.build(corpus_emb_ND, metric=metric, backend=backend)
+    scores_QK, ids_QK = index.search(query_emb_QD, k + 1 if ignore_identical_ids else k)
+    run: dict[str, dict[str, float]] = {}
+    for qid, scores, rows in zip(query_ids, scores_QK.tolist(), ids_QK.tolist(), strict=True):
+        docs = {}
+        for score, row in zip(scores, rows, strict=True):
+            if row < 0 or len(docs) == k:
+                break
+            if not (ignore_identical_ids and corpus_ids[row] == qid):
+                docs[corpus_ids[row]] = score
+        run[qid] = docs
+    return run
+
+
+def evaluate_embeddings(
+    data: BeirData,
+    query_emb_QD: np.ndarray,
+    corpus_emb_ND: np.ndarray,
+    measures: Sequence[str] = DEFAULT_MEASURES,
+    **retrieve_kwargs: Any,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """(mean, per-query) metrics of embeddings already computed for ``data``."""
+    run = retrieve(
+        query_emb_QD,
+        corpus_emb_ND,
+        data.query_ids,
+        data.corpus_ids,
+        max_cutoff(measures),
+        **retrieve_kwargs,
+    )
+    return evaluate_run(data.qrels, run, measures)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable summary printed by ``evaluate_beir``."""
+    lines = [
+        f"{result['dataset']} [{result['split']}]: {result['num_queries']} queries, "
+        f"{result['num_corpus']} documents"
+    ]
+    lines += [f"  {name:<12} {value:.4f}" for name, value in result["metrics"].items()]
+    return "\n".join(lines)
+
+
+def write_json_atomic(obj: Any, path: str | Path) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename (never half-written)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def evaluate_beir(
+    encoder: str | Path | Encoder,
+    beir_dir: str | Path | BeirData,
+    split: str = "test",
+    *,
+    query_encoder: Encoder | None = None,
+    measures: Sequence[str] = DEFAULT_MEASURES,
+    pooling: str = "cls",
+    normalize: bool = False,
+    max_length: int = 512,
+    batch_size: int = 64,
+    device: str = "auto",
+    amp_dtype: torch.dtype | None = None,
+    metric: Metric = "ip",
+    backend: Backend = "auto",
+    ignore_identical_ids: bool = True,
+    out_json: str | Path | None = None,
+    progress: bool = True,
+    verbose: bool = True,
+) -> dict[str, Any]:
+    """Evaluate a dense retriever on one split of a BEIR dataset.
+
+    Args:
+        encoder: a Hugging Face model folder (loaded with ``pooling``, ``normalize``,
+            ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``), or
+            any ``list[str] -> [N, D]`` callable (those arguments are then ignored). It encodes
+            the corpus and the queries unless ``query_encoder`` is given for the queries.
+        beir_dir: a BEIR dataset folder, or a ``BeirData`` already loaded (with its split).
+        measures: metric names ``name@k``; the search depth is the largest k.
+        out_json: write the result there as JSON (atomically).
+        verbose: print the summary table.
+
+    Returns:
+        ``{"dataset", "split", "model", "num_corpus", "num_queries", "num_queries_skipped",
+        "metrics": {measure: mean}, "per_query": {qid: {measure: value}}, "settings",
+        "seconds"}``.
+    """
+    seconds: dict[str, float] = {}
+    t = time.perf_counter()
+    data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
+    seconds["load"] = time.perf_counter() - t
+    if isinstance(encoder, (str, Path)):
+        model_name = str(encoder)
+        encoder = HFEncoder.from_dir(
+            encoder,
+            pooling=pooling,
+            normalize=normalize,
+            max_length=max_length,
+            batch_size=batch_size,
+            device=device,
+            amp_dtype=amp_dtype,
+            progress=progress,
+        )
+    else:
+        model_name = getattr(encoder, "__name__", type(encoder).__name__)
+
+    t = time.perf_counter()
+    corpus_emb = encode_texts(encoder, data.corpus_texts, desc="corpus")
+    seconds["encode_corpus"] = time.perf_counter() - t
+    t = time.perf_counter()
+    query_emb = encode_texts(query_encoder or encoder, data.query_texts, desc="queries")
+    seconds["encode_queries"] = time.perf_counter() - t
+    if query_emb.shape[1] != corpus_emb.shape[1]:
+        raise ValueError(
+            f"query embeddings have dimension {query_emb.shape[1]}, corpus {corpus_emb.shape[1]}"
+        )
+
+    t = time.perf_counter()
+    mean, per_query = evaluate_embeddings(
+        data,
+        query_emb,
+        corpus_emb,
+        measures,
+        metric=metric,
+        backend=backend,
+        ignore_identical_ids=ignore_identical_ids,
+    )
+    seconds["search_and_metrics"] = time.perf_counter() - t
+
+    result = {
+        "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
+        "split": split,
+        "model": model_name,
+        "num_corpus": len(data.corpus_ids),
+        "num_queries": len(per_query),
+        "num_queries_skipped": len(data.qrels) - len(per_query),
+        "metrics": mean,
+        "settings": {
+            "pooling": pooling,
+            "normalize": normalize,
+            "max_length": max_length,
+            "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None,
+            "metric": metric,
+            "ignore_identical_ids": ignore_identical_ids,
+            "dim": int(corpus_emb.shape[1]),
+        },
+        "seconds": {name: round(value, 3) for name, value in seconds.items()},
+        "per_query": per_query,
+    }
+    if verbose:
+        print(format_table(result))
+    if out_json is not None:
+        write_json_atomic(result, out_json)
+        if verbose:
+            print(f"wrote {out_json}")
+    return result
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    """Options of ``retromae-ds eval``."""
+    p.add_argument("--model", required=True, help="Hugging Face encoder folder (local)")
+    p.add_argument("--beir", required=True, help="BEIR dataset folder (corpus/queries/qrels)")
+    p.add_argument("--split", default="test", help="qrels split (default: test)")
+    p.add_argument(
+        "--pooling", choices=("cls", "mean"), default="cls", help="sentence embedding (default cls)"
+    )
+    p.add_argument("--normalize", action="store_true", help="L2-normalise embeddings (cosine)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per text (default 512)")
+    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
+    p.add_argument("--out", default=None, help="write the results as JSON to this file")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:1, ...")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Run ``retromae-ds eval`` from parsed arguments; returns the exit status."""
+    evaluate_beir(
+        args.model,
+        args.beir,
+        args.split,
+        pooling=args.pooling,
+        normalize=args.normalize,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        device=args.device,
+        out_json=args.out,
+        progress=args.progress,
+    )
+    return 0
