@@ -345,9 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="retromae-ds pretrain", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--config", default=None, help="YAML or JSON training config")
-    parser.add_argument("--resume", default=None, help="auto | none | CHECKPOINT (= --checkpoint.resume)")
+    parser.add_argument(
+        "--resume", default=None, help="auto | none | CHECKPOINT (= --checkpoint.resume)"
+    )
     # the deepspeed launcher passes --local_rank; LOCAL_RANK in the environment says the same
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.resume is not None:
         overrides += ["--checkpoint.resume", args.resume]
