@@ -149,7 +149,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from retromae_ds.demo import run_demo
 
-    run_demo(args.out, workers=args.workers, max_docs=args.max_docs)
+    run_demo(
+        args.out, workers=args.workers, max_docs=args.max_docs, steps=args.steps, beir=args.beir
+    )
     return 0
 
 
@@ -199,6 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument(
         "--max-docs", type=int, default=None, help="use only the first N built-in documents"
+    )
+    p.add_argument("--steps", type=int, default=400, help="pre-training steps (default 400)")
+    p.add_argument(
+        "--beir",
+        action="append",
+        default=None,
+        help="also evaluate on this BEIR folder (repeatable; default ../shared/data/scifact if present)",
     )
     p.set_defaults(func=cmd_demo)
     return parser

@@ -54,8 +54,7 @@ class MetricsLogger:
 
     def advance(self, step: int) -> None:
         if self._bar is not None:
-            self._bar.n = step
-            self._bar.refresh()
+            self._bar.update(step - self._bar.n)
 
     def close(self) -> None:
         if self._bar is not None:

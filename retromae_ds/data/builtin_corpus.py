@@ -65,3 +65,47 @@ def write_corpus(path: str | os.PathLike, max_docs: int | None = None) -> int:
             n += 1
     os.replace(tmp, path)
     return n
+
+
+def split_for_retrieval(
+    records: list[dict], every: int = 20, min_body: int = 200
+) -> tuple[list[dict], list[dict], list[tuple[str, str]]]:
+    """A small retrieval task made from the built-in corpus, BEIR-style.
+
+    Every ``every``-th document whose docstring has a one-line summary and a body of at least
+    ``min_body`` characters becomes a query (the summary line); its body stays in the corpus as
+    the one relevant passage. Returns (corpus, queries, qrels); the corpus holds every
+    document, with the query documents' summary lines removed, so pre-training on it never sees
+    a query.
+    """
+    corpus, queries, qrels = [], [], []
+    candidates = 0
+    for record in records:
+        summary, _, body = record["text"].partition("\n")
+        body = body.strip()
+        if record["_id"].startswith("pydoc:") or len(body) < min_body or len(summary) < 20:
+            corpus.append(record)
+            continue
+        candidates += 1
+        if candidates % every:
+            corpus.append(record)
+            continue
+        corpus.append({**record, "text": body})
+        queries.append({"_id": f"q-{record['_id']}", "text": summary.strip()})
+        qrels.append((f"q-{record['_id']}", record["_id"]))
+    return corpus, queries, qrels
+
+
+def write_beir(folder: str | os.PathLike, corpus: list[dict], queries: list[dict], qrels) -> Path:
+    """Write a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv)."""
+    folder = Path(folder)
+    (folder / "qrels").mkdir(parents=True, exist_ok=True)
+    for name, rows in (("corpus.jsonl", corpus), ("queries.jsonl", queries)):
+        with open(folder / name, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    with open(folder / "qrels" / "test.tsv", "w", encoding="utf-8") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for qid, did in qrels:
+            f.write(f"{qid}\t{did}\t1\n")
+    return folder
