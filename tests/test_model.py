@@ -156,3 +156,11 @@ def test_gradients_reach_encoder_through_the_decoder_alone():
     # must receive gradient from the reconstruction loss alone
     last = model.encoder.bert.encoder.layer[-1].output.dense.weight.grad
     assert last is not None and last.abs().sum() > 0
+
+
+def test_gradient_checkpointing_switch_reaches_the_encoder():
+    on = build_encoder(
+        EncoderConfig(name="tiny", max_position_embeddings=64, gradient_checkpointing=True), 60, 0
+    )
+    off = build_encoder(EncoderConfig(name="tiny", max_position_embeddings=64), 60, 0)
+    assert on.is_gradient_checkpointing and not off.is_gradient_checkpointing

@@ -175,6 +175,7 @@ def test_two_rank_loss_falls_on_wikitext(tmp_path, wiki_shards, zero):
         "objective": "retromae",
     }
     assert {p.name for p in final.glob("rank_*.pt")} == {"rank_00000.pt", "rank_00001.pt"}
+    assert list((run / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard log missing"
     resolved = json.loads((run / "ds_config.json").read_text())
     assert resolved["train_batch_size"] == 16 and resolved["zero_optimization"]["stage"] == int(
         zero[-1]
@@ -301,3 +302,21 @@ def test_deepspeed_launcher_and_torchrun_agree(tmp_path, synthetic_shards):
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 3
     final = ckpt.latest_complete(tmp_path / "deepspeed" / "checkpoints")
     assert ckpt.read_marker(final)["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_gives_the_same_losses(tmp_path, synthetic_shards):
+    common = ["--max_steps", "3", "--log_every", "1"]
+    pretrain(tmp_path / "plain", synthetic_shards, *common)
+    pretrain(
+        tmp_path / "ckpt",
+        synthetic_shards,
+        *common,
+        "--model.encoder.gradient_checkpointing",
+        "true",
+    )
+    plain, recomputed = metrics(tmp_path / "plain"), metrics(tmp_path / "ckpt")
+    for a, b in zip(plain, recomputed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["model"]["encoder"]["gradient_checkpointing"] is True
