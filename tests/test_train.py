@@ -14,7 +14,6 @@ import torch
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.data.sources import SourceOptions
 
 from synthetic import synthetic_texts
 
@@ -54,16 +53,14 @@ def wiki_shards(tmp_path_factory) -> Path:
     if not wiki.is_file():
         pytest.skip(f"{wiki} is absent (real WikiText-2 data)")
     root = tmp_path_factory.mktemp("wiki")
-    (root / "wiki.txt").symlink_to(wiki)
     run_preprocess(
         PreprocessConfig(
-            inputs=[str(root / "wiki.txt")],
+            inputs=[str(wiki)],
             out=str(root / "shards"),
             train_tokenizer=2000,
             max_length=64,
             workers=2,
             progress=False,
-            source=SourceOptions(txt_mode="paragraph"),
         )
     )
     return root / "shards"

@@ -13,6 +13,7 @@ contiguous, zero-copy slice). Usable in DataLoader workers: maps are opened lazi
 
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import os
@@ -93,6 +94,7 @@ class _Shard:
         ids_col = b.column(schema.INPUT_IDS)
         ws_col = b.column(schema.WORD_STARTS)
         self.offsets = _offsets_view(ids_col)
+        self.row_lengths = np.diff(self.offsets).astype(np.int32)  # segment lengths, by slicing
         self.ids = ids_col.values.to_numpy(zero_copy_only=True)
         self.word_starts = ws_col.values.to_numpy(zero_copy_only=True)
         self.pack_ids = b.column(schema.PACK_ID).to_numpy(zero_copy_only=True)
@@ -170,10 +172,12 @@ class ShardDataset:
                     )
         self._open: dict[int, _Shard] = {}
         self._pid = os.getpid()
+        self._len = int(self._starts[-1])
+        self._starts_list = self._starts.tolist()  # bisect on a list beats np.searchsorted per call
 
     # ------------------------------------------------------------------ plumbing
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._len
 
     def __getstate__(self) -> dict:  # maps are per process: reopen lazily after pickling
         state = self.__dict__.copy()
@@ -202,8 +206,8 @@ class ShardDataset:
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {n} samples")
         index %= n
-        k = int(np.searchsorted(self._starts, index, side="right")) - 1
-        return k, index - int(self._starts[k])
+        k = bisect.bisect_right(self._starts_list, index) - 1
+        return k, index - self._starts_list[k]
 
     def _row_span(self, shard: _Shard, local: int) -> tuple[int, int]:
         if not self.packed:
@@ -218,8 +222,7 @@ class ShardDataset:
         shard = self._shard(shard_k)
         lo, hi = self._row_span(shard, local)
         a, b = int(shard.offsets[lo]), int(shard.offsets[hi])
-        segments = np.diff(shard.offsets[lo : hi + 1])
-        return Sample(shard.ids[a:b], shard.word_starts[a:b], segments)
+        return Sample(shard.ids[a:b], shard.word_starts[a:b], shard.row_lengths[lo:hi])
 
     def source(self, index: int) -> list[tuple[str, int]]:
         """(document id, chunk index) of each row in sample ``index``."""
@@ -235,11 +238,16 @@ class ShardDataset:
         if idx.size and (idx.min() < -n or idx.max() >= n):
             raise IndexError(f"indices out of range for {n} samples")
         idx = idx % max(n, 1)
+        # one pass over the samples, grouped by shard with a stable sort: O(B log B), not
+        # O(B x distinct shards)
         shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        order = np.argsort(shard_of, kind="stable")
+        sorted_shards = shard_of[order]
+        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
         begin = np.empty(idx.size, dtype=np.int64)
         end = np.empty(idx.size, dtype=np.int64)
-        for k in np.unique(shard_of).tolist():
-            sel = np.flatnonzero(shard_of == k)
+        for sel in np.split(order, cuts) if idx.size else []:
+            k = int(shard_of[sel[0]])
             shard = self._shard(k)
             local = idx[sel] - self._starts[k]
             if self.packed:
@@ -252,21 +260,13 @@ class ShardDataset:
         lengths = end - begin
         offsets = np.zeros(idx.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        # flat position j of sample b reads begin[b] + (j - offsets[b]) in that sample's shard
-        within = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-        src = np.repeat(begin, lengths) + within
-        shards = np.unique(shard_of).tolist()
-        if len(shards) == 1:
-            shard = self._shard(shards[0])
-            return Batch(shard.ids[src], shard.word_starts[src], offsets)
-        ids = np.empty(offsets[-1], dtype=np.int32)
-        starts = np.empty(offsets[-1], dtype=np.uint8)
-        owner = np.repeat(shard_of, lengths)
-        for k in shards:
-            sel = owner == k
-            shard = self._shard(k)
-            ids[sel] = shard.ids[src[sel]]
-            starts[sel] = shard.word_starts[src[sel]]
+        # every sample is one contiguous slice of its shard: copy slices, no per-token index
+        shard_list = shard_of.tolist()
+        shards = {k: self._shard(k) for k in set(shard_list)}
+        spans = list(zip(shard_list, begin.tolist(), end.tolist(), strict=True))
+        empty_ids, empty_starts = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+        ids = np.concatenate([empty_ids] + [shards[k].ids[a:b] for k, a, b in spans])
+        starts = np.concatenate([empty_starts] + [shards[k].word_starts[a:b] for k, a, b in spans])
         return Batch(ids, starts, offsets)
 
     def summary(self) -> dict[str, Any]:

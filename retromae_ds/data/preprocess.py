@@ -41,7 +41,12 @@ from retromae_ds.data.sources import (
     plan_units,
     read_unit,
 )
-from retromae_ds.data.tokenize import build_batch, make_backend, tokenize_documents
+from retromae_ds.data.tokenize import (
+    build_batch,
+    continuation_mask,
+    make_backend,
+    tokenize_documents,
+)
 
 PLAN_NAME = "plan.json"
 REJECTS_NAME = "rejects.jsonl"
@@ -63,8 +68,10 @@ class PreprocessConfig:
     """Lower-case when training a tokenizer."""
     max_length: int = 512
     """Model sequence length including special tokens; rows hold that minus the specials."""
-    shard_size: int = 64 * 2**20
-    """Input bytes per shard (one work unit); output shards come out at a similar size."""
+    shard_size: int = 0
+    """Input bytes per shard (one work unit); output shards come out at a similar size.
+    0 = auto: 1/64 of the input, between 1 MiB and 64 MiB (a function of the input alone, so
+    the output stays the same for any worker count)."""
     pack: bool = False
     """Pack consecutive short rows into samples of up to the row limit."""
     workers: int = 1
@@ -88,8 +95,8 @@ class PreprocessConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.max_length < 3:
             raise ValueError(f"max_length must be >= 3, got {self.max_length}")
-        if self.shard_size < 1:
-            raise ValueError(f"shard_size must be positive, got {self.shard_size}")
+        if self.shard_size < 0:
+            raise ValueError(f"shard_size must be >= 0 (0 = auto), got {self.shard_size}")
         if not 0 <= self.task_index < self.num_tasks:
             raise ValueError(f"task_index {self.task_index} outside [0, {self.num_tasks})")
         if not self.merge and (self.tokenizer is None) == (self.train_tokenizer is None):
@@ -131,8 +138,13 @@ def _init_worker(
     backend_json: str, limit: int, pack: bool, on_error: str, source: SourceOptions, shard_dir: str
 ) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if not backend_json.lstrip().startswith("{"):  # a path: keeps spawn's start-up payload small
+        with open(backend_json, encoding="utf-8") as f:
+            backend_json = f.read()
+    backend = make_backend(backend_json)
     _WORKER.update(
-        backend=make_backend(backend_json),
+        backend=backend,
+        continuation=continuation_mask(backend),
         limit=limit,
         pack=pack,
         on_error=on_error,
@@ -148,7 +160,7 @@ def _process_unit(unit: Unit) -> dict[str, Any]:
         docs = read_unit(unit, w["source"], w["on_error"])
     except InputError as exc:
         return {"unit": unit.index, "error": str(exc)}
-    tokens = tokenize_documents(w["backend"], docs.texts)
+    tokens = tokenize_documents(w["backend"], docs.texts, continuation=w["continuation"])
     batch, counts = build_batch(tokens, docs.ids, w["limit"], w["pack"])
     name = shard_name(unit.index)
     final = w["shard_dir"] / f"{name}{schema.SHARD_SUFFIX}"
@@ -224,11 +236,24 @@ def _plan_document(
         "max_length": cfg.max_length,
         "max_tokens_per_row": limit,
         "packed": cfg.pack,
-        "shard_size": cfg.shard_size,
+        "shard_size": cfg.shard_size or auto_shard_size(inputs),
         "on_error": cfg.on_error,
         "plan_rejects": plan_rejects,
         "units": [u.to_json() for u in units],
     }
+
+
+def auto_shard_size(inputs: list) -> int:
+    """1/64 of the input bytes, clamped to [1 MiB, 64 MiB]: enough shards to keep workers busy
+    on a small corpus, shards of a sensible size on a large one."""
+    total = sum(_input_bytes(i.path) for i in inputs)
+    return int(min(64 * 2**20, max(2**20, total // 64)))
+
+
+def _input_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def _write_or_check_plan(out: Path, plan: dict) -> None:
@@ -258,7 +283,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     shard_dir.mkdir(exist_ok=True)
     started = time.perf_counter()
     inputs = expand_inputs(cfg.inputs)
-    units, plan_rejects = plan_units(inputs, cfg.shard_size, cfg.source, cfg.on_error)
+    shard_size = cfg.shard_size or auto_shard_size(inputs)
+    units, plan_rejects = plan_units(inputs, shard_size, cfg.source, cfg.on_error)
     from retromae_ds.data.tokenizer import backend_json, fingerprint
 
     tok = _prepare_tokenizer(cfg, out, units)
@@ -271,7 +297,12 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     for u in todo:  # leftovers of a killed run of this unit; never visible as shards
         for stale in shard_dir.glob(f"{shard_name(u.index)}.arrow.tmp*"):
             stale.unlink()
-    stats = _run_units(cfg, todo, backend_json(tok), limit, shard_dir, len(mine) - len(todo))
+    backend_file = out / f"backend.tmp-{os.getpid()}.json"
+    atomic_write_text(backend_file, backend_json(tok))
+    try:
+        stats = _run_units(cfg, todo, str(backend_file), limit, shard_dir, len(mine) - len(todo))
+    finally:
+        backend_file.unlink(missing_ok=True)
     elapsed = time.perf_counter() - started
     if cfg.num_tasks == 1:
         manifest = merge(out, progress=False)

@@ -21,8 +21,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-TEXT_SUFFIXES = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".txt": "txt", ".parquet": "parquet"}
-SUPPORTED = "a .jsonl, .jsonl.gz, .txt or .parquet file, a BEIR corpus.jsonl, or a datasets folder"
+# .raw: plain text under WikiText's naming
+TEXT_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".jsonl.gz": "jsonl",
+    ".txt": "txt",
+    ".raw": "txt",
+    ".parquet": "parquet",
+}
+SUPPORTED = (
+    "a .jsonl, .jsonl.gz, .txt/.raw or .parquet file, a BEIR corpus.jsonl, or a datasets folder"
+)
 
 
 class InputError(ValueError):
