@@ -317,3 +317,25 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, synthetic_shar
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["model"]["encoder"]["gradient_checkpointing"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "precision"), [("zero0", "fp32"), ("zero1", "bf16")])
+def test_other_stages_and_bf16_run_on_cpu(tmp_path, synthetic_shards, zero, precision):
+    run = tmp_path / f"{zero}-{precision}"
+    pretrain(
+        run,
+        synthetic_shards,
+        "--max_steps",
+        "4",
+        "--log_every",
+        "1",
+        "--deepspeed.config",
+        f'["ds_configs/{zero}.json", "ds_configs/{precision}.json"]',
+    )
+    rows = metrics(run)
+    assert len(rows) == 4 and all(r["loss"] == r["loss"] and r["loss"] < 100 for r in rows)
+    resolved = json.loads((run / "ds_config.json").read_text())
+    assert resolved["zero_optimization"]["stage"] == int(zero[-1])
+    assert resolved["bf16"]["enabled"] is (precision == "bf16")
+    assert ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["step"] == 4
