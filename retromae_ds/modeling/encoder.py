@@ -67,7 +67,12 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
                 "preprocess the shards with this model's tokenizer"
             )
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers >= 5 renamed it; the old name still works there but warns
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None)
+            or model.gradient_checkpointing_enable
+        )
+        enable()
     return model
 
 
