@@ -83,3 +83,18 @@ def two_stream_visible_dense(
     keep = h >= threshold(ratio)
     real = j < lengths_B.long().view(B, 1, 1)
     return (j == 0) | (real & (j != i) & keep)
+
+
+def window_visible_dense(lengths_B: torch.Tensor, L: int, window: int | None) -> torch.Tensor:
+    """Reference B×L×L visibility of the SEED-Encoder decoder (True = may attend).
+
+    Decoder position t holds token t-1 (teacher forcing) and predicts token t. It sees
+    position 0 (the sentence embedding) and the positions holding the previous ``window``
+    tokens, t-window+1 .. t; ``window=None`` is the full-causal "strong decoder" ablation.
+    """
+    device = lengths_B.device
+    t = torch.arange(L, device=device).view(1, L, 1)
+    j = torch.arange(L, device=device).view(1, 1, L)
+    real = j < lengths_B.long().view(-1, 1, 1)
+    band = j <= t if window is None else (j <= t) & (j > t - window)
+    return (j == 0) | (real & band)

@@ -160,9 +160,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             f"data.max_length {max_length} is shorter than the shards' rows ({manifest['max_length']})"
         )
     special = SpecialIds.from_fingerprint(manifest["tokenizer"])
-    is_retromae = cfg.model.objective.name == "retromae"
+    has_decoder = cfg.model.objective.name != "mlm"
     collator = PretrainCollator(
-        special, cfg.masking, max_length, seed=cfg.seed, decoder=is_retromae
+        special, cfg.masking, max_length, seed=cfg.seed, decoder=has_decoder
     )
     sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
     loader = torch.utils.data.DataLoader(
@@ -286,7 +286,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     "tokens_per_s": float(tok[0]) / (now - t_last),
                     "epoch": sampler.epoch,
                 }
-                if is_retromae:
+                if has_decoder:
                     last["decoder_loss"] = float(stats[2])
                 logger.log(last)
                 window, tokens, t_last = [], 0, now

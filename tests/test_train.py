@@ -339,3 +339,28 @@ def test_other_stages_and_bf16_run_on_cpu(tmp_path, synthetic_shards, zero, prec
     assert resolved["zero_optimization"]["stage"] == int(zero[-1])
     assert resolved["bf16"]["enabled"] is (precision == "bf16")
     assert ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["step"] == 4
+
+
+@pytest.mark.slow
+def test_two_rank_seed_encoder_loss_falls_on_wikitext(tmp_path, wiki_shards):
+    run = tmp_path / "seed"
+    pretrain(
+        run,
+        wiki_shards,
+        "--max_steps",
+        "40",
+        "--log_every",
+        "5",
+        "--model.objective.name",
+        "seed",
+        ranks=2,
+    )
+    rows = metrics(run)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, rows
+    assert rows[-1]["decoder_loss"] < rows[0]["decoder_loss"]
+    assert ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["objective"] == "seed"
+    config = json.loads((run / "config.json").read_text())
+    assert (
+        config["model"]["objective"]["decoder_layers"] == 3
+        and config["model"]["objective"]["window"] == 2
+    )

@@ -10,7 +10,7 @@ may see (a rule, never a stored L×L mask) and ``backend`` says *how* it is comp
 from __future__ import annotations
 
 from retromae_ds.attention.reference import reference_attention
-from retromae_ds.attention.specs import MaskSpec, TwoStreamSpec
+from retromae_ds.attention.specs import MaskSpec, TwoStreamSpec, WindowSpec
 
 BACKENDS = {"reference": reference_attention}
 
@@ -33,4 +33,4 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return "reference"
 
 
-__all__ = ["BACKENDS", "MaskSpec", "TwoStreamSpec", "attend", "resolve_backend"]
+__all__ = ["BACKENDS", "MaskSpec", "TwoStreamSpec", "WindowSpec", "attend", "resolve_backend"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retromae_ds.masks import two_stream_visible_dense
+from retromae_ds.masks import two_stream_visible_dense, window_visible_dense
 
 
 @dataclass
@@ -36,3 +36,15 @@ class TwoStreamSpec(MaskSpec):
                 f"spec covers {self.word_ids_BL.shape[1]} positions, attention has {L}"
             )
         return two_stream_visible_dense(self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio)
+
+
+@dataclass
+class WindowSpec(MaskSpec):
+    """SEED-Encoder weak decoder: position 0 plus the previous ``window`` token positions
+    (``None``: full causal). See ``retromae_ds.masks.window_visible_dense``."""
+
+    lengths_B: torch.Tensor
+    window: int | None
+
+    def dense(self, L: int) -> torch.Tensor:
+        return window_visible_dense(self.lengths_B, L, self.window)

@@ -1,4 +1,4 @@
-"""Pre-training objectives over one encoder: RetroMAE and plain MLM (the control).
+"""Pre-training objectives over one encoder: RetroMAE, SEED-Encoder and plain MLM (the control).
 
 RetroMAE (Xiao et al. 2022): loss = w_mlm · encoder MLM + w_dec · decoder reconstruction,
 where the one-layer decoder reconstructs every real token from the sentence embedding alone,
@@ -8,7 +8,14 @@ with "enhanced decoding":
 - key/value stream H2 = [sentence embedding; embeddings(unmasked original tokens)[1:]];
 - position-specific visibility (``retromae_ds.masks``), computed by the attention backend.
 
-The decoder shares the encoder's embedding module and MLM head, and is a submodule of this
+SEED-Encoder (Lu et al. 2021): loss = w_mlm · MLM + w_dec · autoregressive reconstruction by a
+weak decoder of ``decoder_layers`` layers (default 3). Decoder position 0 holds the sentence
+embedding; position t ≥ 1 holds the embedding of token t-1 (teacher forcing, with position t)
+and predicts token t, seeing only position 0 and the previous ``window`` tokens (default 2), so
+it has to rely on the sentence embedding; ``strong_decoder`` (full causal attention) is the
+paper's ablation.
+
+Decoders share the encoder's embedding module and MLM head, and are submodules of this
 model, so it is saved and restored with every checkpoint. ``forward`` returns the loss and
 the logged components (as detached tensors).
 """
@@ -21,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retromae_ds.attention import TwoStreamSpec
+from retromae_ds.attention import TwoStreamSpec, WindowSpec
 from retromae_ds.data.collate import IGNORE
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import encode, mlm_head
 
-OBJECTIVES = ("retromae", "mlm")
+OBJECTIVES = ("retromae", "seed", "mlm")
 
 
 @dataclass(kw_only=True)
@@ -34,17 +41,26 @@ class ObjectiveConfig:
     """What the encoder is trained to do."""
 
     name: str = "retromae"
-    """``retromae`` (MLM + two-stream decoder) or ``mlm`` (encoder MLM only, the control)."""
+    """``retromae`` (MLM + two-stream decoder), ``seed`` (MLM + weak autoregressive decoder)
+    or ``mlm`` (encoder MLM only, the control)."""
     mlm_weight: float = 1.0
     """Weight of the encoder MLM loss."""
     decoder_weight: float = 1.0
     """Weight of the decoder reconstruction loss."""
     attention: str = "reference"
     """Decoder attention backend: ``reference`` (dense mask + SDPA) or ``auto``."""
+    decoder_layers: int = 3
+    """SEED-Encoder: layers of the weak decoder (RetroMAE always has one)."""
+    window: int = 2
+    """SEED-Encoder: previous tokens each decoder position may attend to."""
+    strong_decoder: bool = False
+    """SEED-Encoder ablation: full causal attention instead of the window."""
 
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVES:
             raise ValueError(f"objective.name must be one of {OBJECTIVES}, not {self.name!r}")
+        if self.decoder_layers < 1 or self.window < 1:
+            raise ValueError("objective.decoder_layers and objective.window must be >= 1")
 
 
 class PretrainModel(nn.Module):
@@ -55,9 +71,10 @@ class PretrainModel(nn.Module):
         self.encoder = encoder
         self.objective = objective
         self.decoder_ratio = decoder_ratio
-        if objective.name == "retromae":
-            c = encoder.config
-            self.decoder = CrossStreamLayer(
+        c = encoder.config
+
+        def layer() -> CrossStreamLayer:
+            return CrossStreamLayer(
                 c.hidden_size,
                 c.num_attention_heads,
                 c.intermediate_size,
@@ -65,6 +82,11 @@ class PretrainModel(nn.Module):
                 layer_norm_eps=c.layer_norm_eps,
                 backend=objective.attention,
             )
+
+        if objective.name == "retromae":
+            self.decoder = layer()
+        elif objective.name == "seed":
+            self.decoder = nn.ModuleList(layer() for _ in range(objective.decoder_layers))
 
     def sentence_embedding(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -85,8 +107,9 @@ class PretrainModel(nn.Module):
             "mlm_tokens": masked.sum().detach(),
         }
         loss = self.objective.mlm_weight * mlm_loss
-        if self.objective.name == "retromae":
-            dec_loss = self._decoder_loss(hidden_BLH, batch, head)
+        if self.objective.name != "mlm":
+            decode = self._decoder_loss if self.objective.name == "retromae" else self._seed_loss
+            dec_loss = decode(hidden_BLH, batch, head)
             out["decoder_loss"] = dec_loss.detach()
             loss = loss + self.objective.decoder_weight * dec_loss
         out["loss"] = loss
@@ -108,3 +131,19 @@ class PretrainModel(nn.Module):
         targets = batch["decoder_labels"]
         sel = targets != IGNORE
         return F.cross_entropy(head(dec_BLH[sel]).float(), targets[sel])
+
+    def _seed_loss(
+        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], head: nn.Module
+    ) -> torch.Tensor:
+        embeddings = self.encoder.base_model.embeddings
+        original = batch["original_ids"]
+        # teacher forcing: position t holds token t-1 (with position t), position 0 the CLS vector
+        shifted = torch.cat([original[:, :1], original[:, :-1]], dim=1)
+        x_BLH = torch.cat([hidden_BLH[:, :1], embeddings(input_ids=shifted)[:, 1:]], dim=1)
+        window = None if self.objective.strong_decoder else self.objective.window
+        spec = WindowSpec(batch["lengths"], window)
+        for layer in self.decoder:
+            x_BLH = layer(x_BLH, x_BLH, spec)
+        targets = batch["decoder_labels"]
+        sel = targets != IGNORE
+        return F.cross_entropy(head(x_BLH[sel]).float(), targets[sel])
