@@ -97,3 +97,22 @@ def test_the_weak_decoder_depends_on_the_sentence_embedding():
     model(batch_of([12, 9]))["loss"].backward()
     grad = model.encoder.bert.encoder.layer[-1].output.dense.weight.grad
     assert grad is not None and grad.abs().sum() > 0
+
+
+def test_seed_model_on_the_window_backend_equals_reference():
+    batch = batch_of([9, 14, 4, 30])
+    losses, grads = [], []
+    for backend in ("reference", "window"):
+        torch.manual_seed(0)
+        encoder = build_encoder(
+            EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0),
+            SPECIAL.vocab_size,
+            0,
+        )
+        model = PretrainModel(encoder, ObjectiveConfig(name="seed", attention=backend), 0.5)
+        out = model(batch)
+        out["loss"].backward()
+        losses.append(float(out["loss"]))
+        grads.append(model.decoder[0].q_proj.weight.grad.clone())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

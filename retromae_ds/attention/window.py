@@ -1,0 +1,49 @@
+"""O(L·k) attention for the SEED-Encoder window rule: each query gathers its k+1 visible keys.
+
+Query t sees key 0 (the sentence embedding) and keys t-k+1 .. t (clipped to real tokens), so
+instead of an L×L score matrix this path gathers a [B, H, L, k+1, D] slice of K and V, scores
+k+1 keys per query and lets autograd carry the backward pass. Time and memory grow linearly
+with L; nothing of size L×L is allocated. Held against the reference path in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from retromae_ds.attention.specs import MaskSpec, WindowSpec
+
+
+def window_attention(
+    q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, spec: MaskSpec
+) -> torch.Tensor:
+    if not isinstance(spec, WindowSpec) or spec.window is None:
+        raise ValueError(
+            "the window backend computes only a finite SEED-Encoder window (WindowSpec)"
+        )
+    B, H, L, D = q_BHLD.shape
+    k = spec.window
+    device = q_BHLD.device
+    t = torch.arange(L, device=device).view(L, 1)
+    offsets = torch.arange(1, k + 1, device=device).view(1, k)
+    band_LK = t - k + offsets  # key positions t-k+1 .. t
+    keys_LK1 = torch.cat(
+        [torch.zeros(L, 1, dtype=torch.long, device=device), band_LK.clamp_min(0)], dim=1
+    )
+    # slot 0 is always valid; band slots need 1 <= j (and j < length, per row below)
+    band_ok_LK = band_LK >= 1
+    lengths = spec.lengths_B.to(device).long().view(B, 1, 1)
+    valid_BLK1 = torch.cat(
+        [
+            torch.ones(B, L, 1, dtype=torch.bool, device=device),
+            band_ok_LK.unsqueeze(0) & (band_LK.unsqueeze(0) < lengths),
+        ],
+        dim=2,
+    )
+    k_sel = k_BHLD[:, :, keys_LK1]  # B, H, L, k+1, D
+    v_sel = v_BHLD[:, :, keys_LK1]
+    scores = torch.einsum("bhld,bhlkd->bhlk", q_BHLD, k_sel) / math.sqrt(D)
+    scores = scores.masked_fill(~valid_BLK1.unsqueeze(1), float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q_BHLD.dtype)
+    return torch.einsum("bhlk,bhlkd->bhld", weights, v_sel)
