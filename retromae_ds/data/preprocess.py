@@ -218,7 +218,13 @@ def _prepare_tokenizer(cfg: PreprocessConfig, out: Path, units: list[Unit]):
 
 
 def _plan_document(
-    cfg: PreprocessConfig, inputs: list, units: list[Unit], plan_rejects: list, fp: dict, limit: int
+    cfg: PreprocessConfig,
+    inputs: list,
+    shard_size: int,
+    units: list[Unit],
+    plan_rejects: list,
+    fp: dict,
+    limit: int,
 ) -> dict:
     """Everything that shapes the output; a resumed run must match it exactly."""
     return {
@@ -236,7 +242,7 @@ def _plan_document(
         "max_length": cfg.max_length,
         "max_tokens_per_row": limit,
         "packed": cfg.pack,
-        "shard_size": cfg.shard_size or auto_shard_size(inputs),
+        "shard_size": shard_size,
         "on_error": cfg.on_error,
         "plan_rejects": plan_rejects,
         "units": [u.to_json() for u in units],
@@ -290,7 +296,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     tok = _prepare_tokenizer(cfg, out, units)
     limit = cfg.max_length - tok.num_special_tokens_to_add(pair=False)
     fp = fingerprint(tok)
-    _write_or_check_plan(out, _plan_document(cfg, inputs, units, plan_rejects, fp, limit))
+    _write_or_check_plan(
+        out, _plan_document(cfg, inputs, shard_size, units, plan_rejects, fp, limit)
+    )
 
     mine = [u for u in units if u.index % cfg.num_tasks == cfg.task_index]
     todo = [u for u in mine if not _unit_complete(shard_dir, u.index)]
