@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from retromae_ds.fsutil import atomic_write_text, fsync_dir
+
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -108,17 +110,12 @@ def read_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
 
 def publish(staging: Path, final: Path, marker: dict[str, Any], keep_last: int) -> None:
     """Rank 0, after all ranks wrote ``staging``: mark complete, rename, prune old ones."""
-    tmp = staging / (MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(marker, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, staging / MARKER)
+    atomic_write_text(staging / MARKER, json.dumps(marker, indent=2))
     if final.exists():  # the same step saved again after a resume: keep the older copy
         shutil.rmtree(staging)
     else:
         os.replace(staging, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     prune(final.parent, keep_last)
 
 
@@ -133,14 +130,3 @@ def prune(root: Path, keep_last: int) -> None:
         m = re.match(r"^step_(\d{8})\.partial$", path.name)
         if m and int(m.group(1)) <= newest:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

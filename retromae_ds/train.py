@@ -301,10 +301,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 break
         if step == cfg.stop_at_step:
             break
-    if (
-        not ckpt.latest_complete(ckpt_root)
-        or ckpt.read_marker(ckpt.latest_complete(ckpt_root))["step"] != step
-    ):
+    newest = ckpt.latest_complete(ckpt_root)
+    if newest is None or ckpt.read_marker(newest)["step"] != step:
         save(step)
     logger.close()
     return last

@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from retromae_ds.data import schema
 from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
+from retromae_ds.fsutil import sha256_file
 
 
 @dataclass
@@ -163,8 +164,6 @@ class ShardDataset:
                     f"{path}: {path.stat().st_size} bytes, manifest says {meta['bytes']}"
                 )
         if verify:
-            from retromae_ds.data.preprocess import sha256_file
-
             for path, meta in zip(self._paths, shards, strict=True):
                 if sha256_file(path) != meta["sha256"]:
                     raise ValueError(

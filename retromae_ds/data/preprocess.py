@@ -18,7 +18,6 @@ output is byte-identical for any worker count, a killed run redoes only missing 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -47,6 +46,7 @@ from retromae_ds.data.tokenize import (
     make_backend,
     tokenize_documents,
 )
+from retromae_ds.fsutil import atomic_write_text, sha256_file  # noqa: F401 (re-exported)
 
 PLAN_NAME = "plan.json"
 REJECTS_NAME = "rejects.jsonl"
@@ -109,23 +109,6 @@ class PreprocessConfig:
 
 
 # --------------------------------------------------------------------------- file helpers
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(4 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def shard_name(unit_index: int) -> str:
     return f"part-{unit_index:06d}"
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 from retromae_ds.eval.beir import BeirData, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
 from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
+from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.index import Backend, ExactIndex, Metric
 
 
@@ -94,17 +93,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 def write_json_atomic(obj: Any, path: str | Path) -> None:
     """Write JSON to ``path`` through a temporary file and a rename (never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def evaluate_beir(
