@@ -70,19 +70,93 @@ def row_seeds(seed: int, epoch: int, indices: np.ndarray, stream: int) -> np.nda
     return hash3(np.full_like(idx, base), idx & MASK32, (idx >> 32) & MASK32)
 
 
+def two_stream_row_hash(seeds_B: torch.Tensor, L: int) -> torch.Tensor:
+    """The per-(row, query) prefix of ``hash3(seed_b, i, word)``: B×L int64, O(B·L) work.
+
+    ``hash3(a, b, c) == mix32(two_stream_row_hash(a)[i] ^ c)``, so a kernel needs one mix per
+    (query, key) pair once this small table is computed.
+    """
+    i = torch.arange(L, device=seeds_B.device).view(1, L)
+    h = mix32((seeds_B.long().view(-1, 1) ^ _GOLDEN) & MASK32)
+    return mix32((h ^ i) & MASK32)
+
+
+def _as_int32_bits(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) → int32 tensors with the same 32 bits."""
+    x = x.long()
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+
+
+def mix32_int32_(x: torch.Tensor) -> torch.Tensor:
+    """``mix32`` in place on an int32 tensor holding uint32 bit patterns.
+
+    Four to six times faster than the int64 form on CPU and half the memory: the
+    multiplications wrap modulo 2**32 (two's complement), and logical shifts are arithmetic
+    shifts with the sign-extended bits masked off. Bit-for-bit equal to ``mix32`` (tested).
+    """
+    x ^= (x >> 16) & 0xFFFF
+    x *= _C1 - 2**32 if _C1 >= 2**31 else _C1
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _C2 - 2**32 if _C2 >= 2**31 else _C2
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+def keep_int32(h: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``h >= threshold(ratio)`` for int32 tensors holding uint32 bit patterns."""
+    cut = threshold(ratio)
+    if cut >= 2**32:
+        return torch.zeros(h.shape, dtype=torch.bool, device=h.device)
+    # flipping the sign bit maps unsigned order onto signed order
+    return (h ^ -(2**31)) >= cut - 2**31
+
+
+def two_stream_visible_rows(
+    word_ids_BL: torch.Tensor,
+    lengths_B: torch.Tensor,
+    seeds_B: torch.Tensor,
+    ratio: float,
+    start: int,
+    stop: int,
+) -> torch.Tensor:
+    """Visibility of query rows ``start:stop`` against all L keys: B×(stop-start)×L bool.
+
+    Computes ``hash3(seed_b, i, word_b[j])`` as ``mix32(row_hash[b, i] ^ word_b[j])`` with
+    the int32 form of the last mix: one int32 and one bool temporary of B×c×L.
+    """
+    B, L = word_ids_BL.shape
+    device = word_ids_BL.device
+    row = _as_int32_bits(two_stream_row_hash(seeds_B, L)[:, start:stop]).view(B, -1, 1)
+    words = _as_int32_bits(word_ids_BL.long().clamp_min(0) & MASK32).view(B, 1, L)
+    h = row ^ words
+    visible = keep_int32(mix32_int32_(h), ratio)
+    del h
+    i = torch.arange(start, stop, device=device).view(1, -1, 1)
+    j = torch.arange(L, device=device).view(1, 1, L)
+    visible &= j < lengths_B.long().view(B, 1, 1)
+    visible &= j != i
+    visible |= j == 0
+    return visible
+
+
 def two_stream_visible_dense(
     word_ids_BL: torch.Tensor, lengths_B: torch.Tensor, seeds_B: torch.Tensor, ratio: float
 ) -> torch.Tensor:
     """The reference B×L×L boolean visibility (True = may attend). Reference path only."""
-    B, L = word_ids_BL.shape
-    device = word_ids_BL.device
-    i = torch.arange(L, device=device).view(1, L, 1)
+    L = word_ids_BL.shape[1]
+    return two_stream_visible_rows(word_ids_BL, lengths_B, seeds_B, ratio, 0, L)
+
+
+def window_visible_rows(
+    lengths_B: torch.Tensor, L: int, window: int | None, start: int, stop: int
+) -> torch.Tensor:
+    """Rows ``start:stop`` of :func:`window_visible_dense`: B×(stop-start)×L bool."""
+    device = lengths_B.device
+    t = torch.arange(start, stop, device=device).view(1, -1, 1)
     j = torch.arange(L, device=device).view(1, 1, L)
-    word_j = word_ids_BL.long().clamp_min(0).view(B, 1, L)
-    h = hash3(seeds_B.long().view(B, 1, 1), i, word_j)
-    keep = h >= threshold(ratio)
-    real = j < lengths_B.long().view(B, 1, 1)
-    return (j == 0) | (real & (j != i) & keep)
+    real = j < lengths_B.long().view(-1, 1, 1)
+    band = j <= t if window is None else (j <= t) & (j > t - window)
+    return (j == 0) | (real & band)
 
 
 def window_visible_dense(lengths_B: torch.Tensor, L: int, window: int | None) -> torch.Tensor:
@@ -92,9 +166,4 @@ def window_visible_dense(lengths_B: torch.Tensor, L: int, window: int | None) ->
     position 0 (the sentence embedding) and the positions holding the previous ``window``
     tokens, t-window+1 .. t; ``window=None`` is the full-causal "strong decoder" ablation.
     """
-    device = lengths_B.device
-    t = torch.arange(L, device=device).view(1, L, 1)
-    j = torch.arange(L, device=device).view(1, 1, L)
-    real = j < lengths_B.long().view(-1, 1, 1)
-    band = j <= t if window is None else (j <= t) & (j > t - window)
-    return (j == 0) | (real & band)
+    return window_visible_rows(lengths_B, L, window, 0, L)

@@ -402,3 +402,49 @@ def test_a_row_does_not_depend_on_its_batch(items, data, seed, epoch, ratio):
         for key in ("input_ids", "labels", "original_ids", "decoder_labels", "word_ids"):
             assert torch.equal(mixed[key][row, :n], ref[key][0, :n]), key
         assert mixed["decoder_seed"][row] == ref["decoder_seed"][0]
+
+
+# ================================================================ the fused paths' rule
+@FEW
+@given(
+    items=batches(max_rows=4, max_tokens=150),
+    seed=u32,
+    epoch=st.integers(0, 5),
+    ratio=st.sampled_from([0.3, 0.5, 0.7]),
+)
+def test_flex_mask_mod_equals_the_collators_reference_mask_bit_for_bit(items, seed, epoch, ratio):
+    """The FlexAttention mask_mod (evaluated by FlexAttention's own ``create_mask``) and the
+    chunked path's row blocks reproduce the reference B×L×L mask of a real collated batch."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from retromae_ds.attention import TwoStreamSpec
+    from retromae_ds.attention.flex import mask_mod_for
+
+    batch = collate(items, seed=seed, epoch=epoch, decoder_ratio=ratio)
+    spec = TwoStreamSpec(batch["word_ids"], batch["lengths"], batch["decoder_seed"], ratio)
+    B, L = batch["word_ids"].shape
+    reference = visibility(batch, ratio)
+    flex = create_mask(mask_mod_for(spec, L, torch.device("cpu")), B, None, L, L, device="cpu")
+    assert torch.equal(flex[:, 0], reference)
+    rows = torch.cat([spec.rows(s, min(L, s + 7), L) for s in range(0, L, 7)], dim=1)
+    assert torch.equal(rows, reference)
+    b = 0
+    expected = visible_py(
+        batch["word_ids"][b].tolist(),
+        int(batch["lengths"][b]),
+        int(batch["decoder_seed"][b]),
+        ratio,
+    )
+    assert np.array_equal(flex[b, 0].numpy(), expected)
+
+
+@SOME
+@given(xs=st.lists(u32, min_size=1, max_size=300))
+def test_int32_mix_equals_the_int64_mix(xs):
+    from retromae_ds.masks import _as_int32_bits, keep_int32, mix32_int32_
+
+    x = torch.tensor(xs, dtype=torch.int64)
+    h = mix32_int32_(_as_int32_bits(x))
+    assert torch.equal(h.long() & MASK32, mix32(x))
+    for ratio in (0.0, 0.3, 0.5, 1.0):
+        assert torch.equal(keep_int32(h, ratio), mix32(x) >= threshold(ratio))

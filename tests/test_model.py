@@ -109,13 +109,15 @@ def reference_loss(model: PretrainModel, batch: dict[str, torch.Tensor]) -> tupl
     return float(mlm), float(torch.stack(dec_terms).mean())
 
 
+@pytest.mark.parametrize("backend", ["reference", "chunked", "auto"])
 @pytest.mark.parametrize("rows", [[7, 19, 12], [30, 3]])
-def test_retromae_loss_equals_the_papers_formulas(rows):
+def test_retromae_loss_equals_the_papers_formulas(rows, backend):
     torch.manual_seed(0)
     encoder = build_encoder(
         EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
     )
-    model = PretrainModel(encoder, ObjectiveConfig(name="retromae"), decoder_ratio=0.5).eval()
+    objective = ObjectiveConfig(name="retromae", attention=backend)
+    model = PretrainModel(encoder, objective, decoder_ratio=0.5).eval()
     batch = batch_of(rows)
     with torch.no_grad():
         out = model(batch)
@@ -169,3 +171,31 @@ def test_gradient_checkpointing_switch_reaches_the_encoder():
         else "is_gradient_checkpointing"
     )
     assert getattr(on, flag) and not getattr(off, flag)
+
+
+def test_retromae_training_step_is_the_same_on_every_cpu_backend():
+    batch = batch_of([9, 40, 17])
+    losses, grads = [], []
+    for backend in ("reference", "chunked"):
+        torch.manual_seed(0)
+        encoder = build_encoder(
+            EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
+        )
+        model = PretrainModel(encoder, ObjectiveConfig(attention=backend), 0.5)
+        out = model(batch)
+        out["loss"].backward()
+        losses.append(float(out["loss"]))
+        grads.append(
+            [
+                model.decoder.k_proj.weight.grad.clone(),
+                model.encoder.bert.embeddings.word_embeddings.weight.grad.clone(),
+            ]
+        )
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_unknown_attention_backend_is_rejected_by_the_config():
+    with pytest.raises(ValueError, match="objective.attention"):
+        ObjectiveConfig(attention="fast")

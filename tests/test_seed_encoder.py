@@ -99,17 +99,21 @@ def test_the_weak_decoder_depends_on_the_sentence_embedding():
     assert grad is not None and grad.abs().sum() > 0
 
 
-def test_seed_model_on_the_window_backend_equals_reference():
+@pytest.mark.parametrize(
+    "backend,strong", [("window", False), ("chunked", False), ("chunked", True), ("auto", False)]
+)
+def test_seed_model_on_fast_backends_equals_reference(backend, strong):
     batch = batch_of([9, 14, 4, 30])
     losses, grads = [], []
-    for backend in ("reference", "window"):
+    for name in ("reference", backend):
         torch.manual_seed(0)
         encoder = build_encoder(
             EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0),
             SPECIAL.vocab_size,
             0,
         )
-        model = PretrainModel(encoder, ObjectiveConfig(name="seed", attention=backend), 0.5)
+        objective = ObjectiveConfig(name="seed", attention=name, strong_decoder=strong)
+        model = PretrainModel(encoder, objective, 0.5)
         out = model(batch)
         out["loss"].backward()
         losses.append(float(out["loss"]))

@@ -10,15 +10,20 @@ from dataclasses import dataclass
 
 import torch
 
-from retromae_ds.masks import two_stream_visible_dense, window_visible_dense
+from retromae_ds.masks import two_stream_visible_rows, window_visible_rows
 
 
 @dataclass
 class MaskSpec:
-    """Base class: ``dense()`` returns the B×L×L boolean visibility (True = attend)."""
+    """Base class: ``rows(start, stop, L)`` returns the visibility of query rows
+    ``start:stop`` against L keys, B×(stop-start)×L bool (True = attend); ``dense(L)`` is all
+    rows, for the reference path."""
 
-    def dense(self, L: int) -> torch.Tensor:  # pragma: no cover - abstract
+    def rows(self, start: int, stop: int, L: int) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
+
+    def dense(self, L: int) -> torch.Tensor:
+        return self.rows(0, L, L)
 
 
 @dataclass
@@ -30,12 +35,14 @@ class TwoStreamSpec(MaskSpec):
     seeds_B: torch.Tensor
     ratio: float
 
-    def dense(self, L: int) -> torch.Tensor:
+    def rows(self, start: int, stop: int, L: int) -> torch.Tensor:
         if self.word_ids_BL.shape[1] != L:
             raise ValueError(
                 f"spec covers {self.word_ids_BL.shape[1]} positions, attention has {L}"
             )
-        return two_stream_visible_dense(self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio)
+        return two_stream_visible_rows(
+            self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio, start, stop
+        )
 
 
 @dataclass
@@ -46,5 +53,5 @@ class WindowSpec(MaskSpec):
     lengths_B: torch.Tensor
     window: int | None
 
-    def dense(self, L: int) -> torch.Tensor:
-        return window_visible_dense(self.lengths_B, L, self.window)
+    def rows(self, start: int, stop: int, L: int) -> torch.Tensor:
+        return window_visible_rows(self.lengths_B, L, self.window, start, stop)

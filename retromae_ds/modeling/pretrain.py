@@ -47,8 +47,10 @@ class ObjectiveConfig:
     """Weight of the encoder MLM loss."""
     decoder_weight: float = 1.0
     """Weight of the decoder reconstruction loss."""
-    attention: str = "reference"
-    """Decoder attention backend: ``reference`` (dense mask + SDPA) or ``auto``."""
+    attention: str = "auto"
+    """Decoder attention backend: ``auto`` (per device and rule: ``flex`` on CUDA; ``window``
+    or ``chunked`` elsewhere), ``flex``, ``chunked``, ``window`` or ``reference`` (dense mask +
+    SDPA, the oracle). See ``retromae_ds.attention``."""
     decoder_layers: int = 3
     """SEED-Encoder: layers of the weak decoder (RetroMAE always has one)."""
     window: int = 2
@@ -59,6 +61,13 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVES:
             raise ValueError(f"objective.name must be one of {OBJECTIVES}, not {self.name!r}")
+        from retromae_ds.attention import BACKENDS
+
+        if self.attention != "auto" and self.attention not in BACKENDS:
+            raise ValueError(
+                f"objective.attention must be 'auto' or one of {sorted(BACKENDS)}, "
+                f"not {self.attention!r}"
+            )
         if self.decoder_layers < 1 or self.window < 1:
             raise ValueError("objective.decoder_layers and objective.window must be >= 1")
 

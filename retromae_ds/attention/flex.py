@@ -1,0 +1,151 @@
+"""FlexAttention backend: the decoder rules as ``mask_mod`` functions plus analytic block masks.
+
+- Two-stream (RetroMAE): the ``mask_mod`` recomputes visibility from O(B·L) tensors: a
+  per-(row, query) hash prefix (``masks.two_stream_row_hash``, derived from the row's seed),
+  the word ids and the lengths. One ``mix32`` per (query, key) inside the kernel; no L×L
+  tensor exists. (Feeding the full three-round ``hash3`` to the CPU compiler made Inductor's
+  code generation run for more than 15 minutes here; with the prefix table it compiles in
+  about 6 s.)
+- Window (SEED-Encoder): index arithmetic; its block mask lists key block 0 plus the one or two
+  blocks holding the previous k positions, so almost every block is skipped.
+- Block masks are computed from the rule at block granularity (B×nQ×nK integers), never by
+  evaluating the rule on every (query, key) pair the way ``create_block_mask`` does, and built
+  once per batch: they are cached on the spec, which all decoder layers of a batch share.
+
+FlexAttention in torch 2.13 has a compiled forward on CPU but no backward there; this backend
+therefore refuses CPU inputs that require gradients (``auto`` picks ``chunked`` for training on
+CPU). On CUDA it runs compiled, forward and backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from retromae_ds.attention.specs import MaskSpec, TwoStreamSpec, WindowSpec
+from retromae_ds.masks import MASK32, mix32, threshold, two_stream_row_hash
+
+BLOCK = 128
+
+
+def mask_mod_for(spec: MaskSpec, L: int, device: torch.device):
+    """The spec's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+    lengths = spec.lengths_B.to(device).long()
+    if isinstance(spec, TwoStreamSpec):
+        if spec.word_ids_BL.shape[1] != L:
+            raise ValueError(
+                f"spec covers {spec.word_ids_BL.shape[1]} positions, attention has {L}"
+            )
+        row_hash = two_stream_row_hash(spec.seeds_B.to(device), L)
+        words = spec.word_ids_BL.to(device).long().clamp_min(0)
+        cut = threshold(spec.ratio)
+
+        def two_stream(b, h, q_idx, kv_idx):
+            keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
+            return (kv_idx == 0) | ((kv_idx < lengths[b]) & (kv_idx != q_idx) & keep)
+
+        return two_stream
+    if isinstance(spec, WindowSpec):
+        window = spec.window
+
+        def causal_window(b, h, q_idx, kv_idx):
+            band = kv_idx <= q_idx
+            if window is not None:
+                band = band & (kv_idx > q_idx - window)
+            return (kv_idx == 0) | ((kv_idx < lengths[b]) & band)
+
+        return causal_window
+    raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
+
+
+def block_visibility(
+    spec: MaskSpec, L: int, device: torch.device, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any, full): B×nQ×nK booleans: does block (q-block, k-block) hold a visible pair, and
+    are all its pairs visible. ``any`` is a superset of the true coverage; ``full`` is exact
+    or conservative (False), so the kernel applies ``mask_mod`` wherever it is unsure."""
+    lengths = spec.lengths_B.to(device).long().view(-1, 1, 1)
+    n = -(-L // block)
+    qb = torch.arange(n, device=device).view(1, n, 1)
+    kb = torch.arange(n, device=device).view(1, 1, n)
+    q_first, q_last = qb * block, torch.clamp_max(qb * block + block - 1, L - 1)
+    k_first, k_last = kb * block, torch.clamp_max(kb * block + block - 1, L - 1)
+    last_real = lengths - 1  # key positions 1..last_real are real tokens
+    if isinstance(spec, TwoStreamSpec):
+        any_ = (kb == 0) | (k_first <= last_real)
+        full = torch.zeros_like(any_)  # the diagonal and the hashed words are never all kept
+    elif isinstance(spec, WindowSpec):
+        lo = (q_first - spec.window + 1).clamp_min(1) if spec.window is not None else 1
+        hi = torch.minimum(q_last, last_real)
+        any_ = (kb == 0) | ((k_first <= hi) & (k_last >= lo))
+        if spec.window is None:
+            # every pair visible when the block lies wholly before the first query row and
+            # inside the real tokens
+            full = (k_last <= q_first) & (k_last <= last_real)
+        else:
+            full = torch.zeros_like(any_)
+    else:
+        raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
+    any_ = any_.expand(lengths.shape[0], n, n)
+    full = full.expand(lengths.shape[0], n, n) & any_
+    return any_, full
+
+
+def _listing(blocks_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block booleans → (num_blocks B×1×nQ, indices B×1×nQ×nK) with listed blocks first."""
+    num = blocks_BQK.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort((~blocks_BQK).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[:, None].contiguous(), order[:, None].contiguous()
+
+
+def build_block_mask(spec: MaskSpec, L: int, device: torch.device, block: int = BLOCK):
+    """The FlexAttention ``BlockMask`` of ``spec`` for length ``L``, from block arithmetic."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    any_, full = block_visibility(spec, L, device, block)
+    partial = any_ & ~full
+    kv_num, kv_idx = _listing(partial)
+    full_num, full_idx = _listing(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod_for(spec, L, device),
+        seq_lengths=(L, L),
+    )
+
+
+def cached_block_mask(spec: MaskSpec, L: int, device: torch.device):
+    """``build_block_mask`` once per (spec, L, device): the layers of one batch share it."""
+    key = (L, str(device))
+    cache = spec.__dict__.setdefault("_block_masks", {})
+    if key not in cache:
+        cache[key] = build_block_mask(spec, L, device)
+    return cache[key]
+
+
+@functools.cache
+def _compiled_flex(device_type: str):
+    """Compiled ``flex_attention``. On CPU with static shapes: Inductor's CPU template for
+    FlexAttention generated C++ that does not compile (``cur_qSplitSize8`` undeclared) once
+    automatic dynamic shapes kicked in after a recompilation (torch 2.13)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+
+
+def flex_attention_backend(
+    q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, spec: MaskSpec
+) -> torch.Tensor:
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_BHLD, k_BHLD, v_BHLD))
+    if q_BHLD.device.type == "cpu" and needs_grad:
+        raise NotImplementedError(
+            "FlexAttention has no backward on CPU (torch 2.13): use attention backend "
+            "'chunked' or 'window' for CPU training ('auto' chooses for you)"
+        )
+    L = k_BHLD.shape[2]
+    block_mask = cached_block_mask(spec, L, q_BHLD.device)
+    return _compiled_flex(q_BHLD.device.type)(q_BHLD, k_BHLD, v_BHLD, block_mask=block_mask)
