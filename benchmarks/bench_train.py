@@ -1,15 +1,19 @@
-"""Training throughput on this machine: tokens/s of a pre-training step, side by side.
+"""Training throughput: tokens/s of a pre-training step, side by side.
 
-For each encoder size (``tiny``, ``small``) and objective (RetroMAE, MLM) it times the same
-batches through
+For each encoder size and objective it times the same batches through
 
 - ``torch``: a plain PyTorch loop (forward, backward, AdamW step): the baseline;
-- ``deepspeed``: the project's DeepSpeed engine (one process, ZeRO-2, fp32 on CPU),
+- ``deepspeed``: the project's DeepSpeed engine (one process, ZeRO-2),
 
-and reports tokens/s and the ratio DeepSpeed / plain torch (the engine's overhead), plus the
-cost of RetroMAE's decoder as the ratio RetroMAE / MLM. Best of ``--repeats`` timed windows.
+and reports tokens/s, the ratio DeepSpeed / plain torch (the engine's overhead) and the cost of
+each decoder as the ratio objective / MLM. Decoder objectives run twice, on the reference
+attention path (dense mask + SDPA) and on ``auto`` (FlexAttention on CUDA; window / chunked on
+CPU), so the fused paths are measured against their baseline in the same process. With
+``--peak-tflops`` (default: 989 for bf16 / 494 for fp32-TF32 on CUDA, an H100/H200's dense
+peak) it adds the model FLOPs utilisation of the encoder: (6 × non-embedding encoder
+parameters + 12 × layers × hidden × L) FLOPs per token over the step time.
 
-    python benchmarks/bench_train.py [--sizes tiny small] [--steps 8] [--json out.json]
+    python benchmarks/bench_train.py [--sizes tiny small] [--device cuda --dtype bf16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,22 +31,42 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from retromae_ds import engine as eng  # noqa: E402
-from retromae_ds.data.collate import MaskingConfig, PretrainCollator, SpecialIds  # noqa: E402
-from retromae_ds.modeling.encoder import EncoderConfig, build_encoder  # noqa: E402
-from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel  # noqa: E402
-from retromae_ds.train import OptimConfig, build_optimizer  # noqa: E402
 
 VOCAB = 8000
-SPECIAL = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=VOCAB)
+CUDA_PEAK_TFLOPS = {"bf16": 989.0, "fp32": 494.0}
 
 
-def make_batches(n: int, batch: int, length: int, decoder: bool) -> list[dict[str, torch.Tensor]]:
+def _imports(device: str):
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from retromae_ds import engine
+    from retromae_ds.data.collate import MaskingConfig, PretrainCollator, SpecialIds
+    from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
+    from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+    from retromae_ds.train import OptimConfig, build_optimizer
+
+    return (
+        engine,
+        MaskingConfig,
+        PretrainCollator,
+        SpecialIds,
+        EncoderConfig,
+        build_encoder,
+        (
+            ObjectiveConfig,
+            PretrainModel,
+            OptimConfig,
+            build_optimizer,
+        ),
+    )
+
+
+def make_batches(n, batch, length, decoder, device, M):
     """Full-length rows of Zipf-distributed ids with realistic word starts."""
+    _, MaskingConfig, PretrainCollator, SpecialIds = M[:4]
+    special = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=VOCAB)
     rng = np.random.default_rng(0)
-    collator = PretrainCollator(SPECIAL, MaskingConfig(), length, decoder=decoder)
+    collator = PretrainCollator(special, MaskingConfig(), length, decoder=decoder)
     out = []
     for b in range(n):
         items = []
@@ -50,49 +74,74 @@ def make_batches(n: int, batch: int, length: int, decoder: bool) -> list[dict[st
             ids = (rng.zipf(1.3, length - 2) % (VOCAB - 5) + 5).astype(np.int32)
             starts = (rng.random(length - 2) < 0.75).astype(np.uint8)
             items.append((b * batch + r, ids, starts))
-        out.append(collator(items))
+        out.append({k: v.to(device) for k, v in collator(items).items()})
     return out
 
 
-def build(size: str, objective: str, length: int) -> PretrainModel:
+def build(size, objective, attention, length, device, M):
+    EncoderConfig, build_encoder = M[4], M[5]
+    ObjectiveConfig, PretrainModel = M[6][0], M[6][1]
     torch.manual_seed(0)
     encoder = build_encoder(EncoderConfig(name=size, max_position_embeddings=length), VOCAB, 0)
-    return PretrainModel(encoder, ObjectiveConfig(name=objective), 0.5)
+    model = PretrainModel(encoder, ObjectiveConfig(name=objective, attention=attention), 0.5)
+    return model.to(device)
 
 
-def time_torch(model, batches, steps: int, repeats: int) -> float:
+def encoder_flops_per_token(model, length: int) -> float:
+    """6N + 12·layers·hidden·L (PaLM appendix B), N = encoder parameters without embeddings."""
+    enc = model.encoder
+    c = enc.config
+    n = sum(p.numel() for name, p in enc.base_model.named_parameters() if "embeddings" not in name)
+    return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * length
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_torch(model, batches, args, M) -> float:
+    OptimConfig, build_optimizer = M[6][2], M[6][3]
     opt = build_optimizer(model, OptimConfig())
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
     best = float("inf")
-    for rep in range(repeats + 1):  # the first window warms up
+    for rep in range(args.repeats + 1):  # the first window warms up (and compiles)
+        _sync(args.device)
         t = time.perf_counter()
-        for i in range(steps):
-            out = model(batches[i % len(batches)])
+        for i in range(args.steps):
+            with autocast:
+                out = model(batches[i % len(batches)])
             out["loss"].backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        _sync(args.device)
         if rep:
             best = min(best, time.perf_counter() - t)
     return best
 
 
-def time_deepspeed(model, batches, steps: int, repeats: int, micro: int) -> float:
+def time_deepspeed(model, batches, args, M) -> float:
+    eng = M[0]
+    OptimConfig, build_optimizer = M[6][2], M[6][3]
     opt = build_optimizer(model, OptimConfig())
     ds = eng.build_ds_config(
-        ["ds_configs/zero2.json", "ds_configs/fp32.json"],
-        micro_batch=micro,
+        ["ds_configs/zero2.json", f"ds_configs/{args.dtype}.json"],
+        micro_batch=args.batch,
         grad_accum=1,
         world_size=1,
         grad_clip=1.0,
-        cuda=False,
+        cuda=args.device == "cuda",
     )
     engine = eng.initialize(model, opt, None, ds)
     best = float("inf")
-    for rep in range(repeats + 1):
+    for rep in range(args.repeats + 1):
+        _sync(args.device)
         t = time.perf_counter()
-        for i in range(steps):
+        for i in range(args.steps):
             out = engine(batches[i % len(batches)])
             engine.backward(out["loss"])
             engine.step()
+        _sync(args.device)
         if rep:
             best = min(best, time.perf_counter() - t)
     return best
@@ -101,50 +150,83 @@ def time_deepspeed(model, batches, steps: int, repeats: int, micro: int) -> floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"])
+    p.add_argument("--objectives", nargs="+", default=["retromae", "seed", "mlm"])
+    p.add_argument("--attention", nargs="+", default=["reference", "auto"])
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--no-deepspeed", action="store_true", help="plain torch loop only")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    eng.setup_distributed()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device visible to torch")
+    peak = args.peak_tflops
+    if peak is None and args.device == "cuda":
+        peak = CUDA_PEAK_TFLOPS[args.dtype]
+    if args.device == "cuda" and args.dtype == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    M = _imports(args.device)
+    M[0].setup_distributed()
     rows = []
     for size in args.sizes:
-        for objective in ("retromae", "mlm"):
-            batches = make_batches(4, args.batch, args.length, decoder=objective == "retromae")
+        for objective in args.objectives:
+            attentions = ["-"] if objective == "mlm" else args.attention
+            batches = make_batches(4, args.batch, args.length, objective != "mlm", args.device, M)
             tokens = (
                 sum(int(b["attention_mask"].sum()) for b in batches) / len(batches) * args.steps
             )
-            t_torch = time_torch(
-                build(size, objective, args.length), batches, args.steps, args.repeats
-            )
-            t_ds = time_deepspeed(
-                build(size, objective, args.length), batches, args.steps, args.repeats, args.batch
-            )
-            rows.append(
-                {
+            for attention in attentions:
+                attn = "reference" if attention == "-" else attention
+                model = build(size, objective, attn, args.length, args.device, M)
+                flops_tok = encoder_flops_per_token(model, args.length)
+                t_torch = time_torch(model, batches, args, M)
+                row = {
                     "size": size,
                     "objective": objective,
+                    "attention": attention,
                     "torch_tokens_per_s": tokens / t_torch,
-                    "deepspeed_tokens_per_s": tokens / t_ds,
-                    "deepspeed_over_torch": t_torch / t_ds,
                 }
-            )
-            print(json.dumps(rows[-1]), flush=True)
+                if not args.no_deepspeed:
+                    model = build(size, objective, attn, args.length, args.device, M)
+                    t_ds = time_deepspeed(model, batches, args, M)
+                    row["deepspeed_tokens_per_s"] = tokens / t_ds
+                    row["deepspeed_over_torch"] = t_torch / t_ds
+                best = row.get("deepspeed_tokens_per_s", row["torch_tokens_per_s"])
+                if peak:
+                    row["encoder_mfu"] = best * flops_tok / (peak * 1e12)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    key = "torch_tokens_per_s" if args.no_deepspeed else "deepspeed_tokens_per_s"
     print(
-        f"\nbatch {args.batch} x length {args.length}, {args.steps} steps per window, best of {args.repeats}, "
-        f"{torch.get_num_threads()} threads"
+        f"\n{args.device} {args.dtype}, batch {args.batch} x length {args.length}, {args.steps} "
+        f"steps per window, best of {args.repeats}, {torch.get_num_threads()} threads"
+        + (f", MFU against {peak:g} TFLOP/s" if peak else "")
     )
     print(
-        "| size | objective | plain torch tok/s | DeepSpeed tok/s | DeepSpeed / torch | RetroMAE / MLM (DeepSpeed) |"
+        "| size | objective | attention | plain torch tok/s | DeepSpeed tok/s | DeepSpeed / torch "
+        "| objective / MLM | auto / reference | encoder MFU |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        mlm = next(x for x in rows if x["size"] == r["size"] and x["objective"] == "mlm")
-        rel = r["deepspeed_tokens_per_s"] / mlm["deepspeed_tokens_per_s"]
+        same = [x for x in rows if x["size"] == r["size"]]
+        mlm = next((x for x in same if x["objective"] == "mlm"), None)
+        ref = next(
+            (x for x in same if x["objective"] == r["objective"] and x["attention"] == "reference"),
+            None,
+        )
+        rel = f"{r[key] / mlm[key]:.2f}" if mlm else ""
+        vs_ref = (
+            f"{r[key] / ref[key]:.2f}" if ref and r["attention"] not in ("-", "reference") else ""
+        )
+        mfu = f"{100 * r['encoder_mfu']:.1f} %" if "encoder_mfu" in r else ""
         print(
-            f"| {r['size']} | {r['objective']} | {r['torch_tokens_per_s']:,.0f} | {r['deepspeed_tokens_per_s']:,.0f} "
-            f"| {r['deepspeed_over_torch']:.2f} | {rel:.2f} |"
+            f"| {r['size']} | {r['objective']} | {r['attention']} | {r['torch_tokens_per_s']:,.0f} "
+            f"| {r.get('deepspeed_tokens_per_s', 0):,.0f} | {r.get('deepspeed_over_torch', 0):.2f} "
+            f"| {rel} | {vs_ref} | {mfu} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

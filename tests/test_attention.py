@@ -257,3 +257,21 @@ def test_backends_match_reference_on_cuda(backend, rule, param, dtype):
     if dtype == torch.float32:
         torch.backends.cuda.matmul.allow_tf32 = False
     _compare(spec, q, k, v, backend, tol=tol, grad_tol=grad_tol)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the no-GPU path of scripts/gpu_check.sh")
+def test_gpu_check_script_skips_cleanly_without_a_gpu(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": __import__("sys").executable, "HOME": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA GPU" in (tmp_path / "out" / "summary.txt").read_text()

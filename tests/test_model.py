@@ -199,3 +199,24 @@ def test_retromae_training_step_is_the_same_on_every_cpu_backend():
 def test_unknown_attention_backend_is_rejected_by_the_config():
     with pytest.raises(ValueError, match="objective.attention"):
         ObjectiveConfig(attention="fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("objective", ["retromae", "seed"])
+def test_decoders_on_flexattention_equal_reference_on_cuda(objective):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = {k: v.cuda() for k, v in batch_of([9, 40, 17]).items()}
+    losses, grads = [], []
+    for backend in ("reference", "flex"):
+        torch.manual_seed(0)
+        encoder = build_encoder(
+            EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
+        )
+        model = PretrainModel(encoder, ObjectiveConfig(name=objective, attention=backend), 0.5)
+        out = model.cuda()(batch)
+        out["loss"].backward()
+        losses.append(float(out["loss"]))
+        grads.append(model.encoder.bert.embeddings.word_embeddings.weight.grad.clone())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
