@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,13 @@ def setup_distributed(timeout_s: int = 600) -> DistInfo:
             dist_backend=backend, verbose=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if world > 1:  # one line per rank: where each rank ran, in its own log (srun, launchers)
+        print(
+            f"rank {rank}/{world} (local {local}) on {socket.gethostname()}, {backend}, "
+            f"master {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            file=sys.stderr,
+            flush=True,
+        )
     return DistInfo(rank, world, local, device, backend)
 
 
@@ -168,6 +176,15 @@ def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(values)
         values /= torch.distributed.get_world_size()
     return values
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on at least one; every rank must call it."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:

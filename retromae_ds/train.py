@@ -5,6 +5,13 @@ them in a DeepSpeed engine and trains, with checkpoints that resume exactly: a r
 after step s and resumed (same world size, CPU) computes the same losses at every later step
 as an uninterrupted run. Launch it as one process, with ``torchrun``, the ``deepspeed``
 launcher or ``srun``; rank and world size come from the environment.
+
+Stopping on a signal (Slurm's time-limit warning, preemption, ``scancel --signal``): the
+handlers for ``stop_signals`` (SIGUSR1 and SIGTERM by default) only note the signal; at the
+next optimizer-step boundary the ranks agree (an all-reduce, so a signal that reached one
+rank stops all of them at the same step), write a complete checkpoint and exit with
+``EXIT_REQUEUE`` (85). ``slurm/pretrain.sh`` requeues the job on that status and the requeued
+job resumes from the checkpoint (``--resume auto``).
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +38,11 @@ from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+
+EXIT_REQUEUE = 85
+"""Exit status of a run stopped by a stop signal after its checkpoint was completed: resume
+it (``slurm/pretrain.sh`` runs ``scontrol requeue`` on it). Distinct from the statuses others
+use: 1-2 (errors), 17 (the crash-in-save test hook), 124 (timeout(1)), 128+N (killed by N)."""
 
 
 @dataclass(kw_only=True)
@@ -100,6 +114,9 @@ class TrainConfig:
     the schedule still follows max_steps, so a resumed run continues exactly)."""
     log_every: int = 10
     progress: bool = True
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    """Signals that stop the run cleanly: every rank finishes the current optimizer step, a
+    complete checkpoint is written, and the process exits with EXIT_REQUEUE (85). [] disables."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)
@@ -114,6 +131,50 @@ class TrainConfig:
             raise ValueError("set max_steps or epochs")
         if self.micro_batch_size < 1 or self.grad_accum < 1:
             raise ValueError("micro_batch_size and grad_accum must be >= 1")
+        self.stop_signals = [name for name in self.stop_signals if name]
+        for name in self.stop_signals:
+            signal_number(name)  # fails naming the signal
+
+
+def signal_number(name: str) -> signal.Signals:
+    """``"SIGUSR1"`` or ``"USR1"`` -> the signal; SIGKILL and SIGSTOP cannot be handled."""
+    full = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+    sig = getattr(signal.Signals, full, None)
+    if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"stop_signals: {name!r} is not a signal that can be handled")
+    return sig
+
+
+class StopRequested(Exception):
+    """train() stopped on a signal after the checkpoint of ``step`` was completed."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped by a signal after step {step} (checkpoint complete)")
+        self.step = step
+
+
+class StopSignals:
+    """Handlers that only note that a stop signal arrived (nothing else is safe inside a
+    handler); the training loop reads ``received`` at step boundaries. Restores the previous
+    handlers on exit. Outside the main thread Python cannot install handlers: then inert."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.signals = [signal_number(name) for name in names]
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def _note(self, signum: int, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def lr_lambda(cfg: OptimConfig, max_steps: int):
@@ -146,7 +207,13 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Opt
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) pre-training; returns the final metrics row on every rank."""
+    """Run (or resume) pre-training; returns the final metrics row on every rank. Raises
+    StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
+    with StopSignals(cfg.stop_signals) as stop:  # from the start: a signal during set-up counts
+        return _train(cfg, stop)
+
+
+def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
     dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
     run_dir = Path(cfg.run_dir)
     ckpt_root = run_dir / "checkpoints"
@@ -250,6 +317,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tokens = 0
     t_last = time.perf_counter()
     micro = 0
+    stopping = False
+    step_sleep = float(os.environ.get("RETROMAE_DS_TEST_STEP_SLEEP_S", 0))  # test hook: slow steps
     while step < max_steps:
         collator.epoch = sampler.epoch
         for batch in loader:
@@ -273,6 +342,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if micro % cfg.grad_accum:
                 continue
             step += 1
+            if step_sleep:
+                time.sleep(step_sleep)
+            # every rank calls the all-reduce at every step, so all stop at the same step
+            stopping = bool(stop.signals) and eng.any_rank(stop.received is not None, dist.device)
             if step % cfg.log_every == 0 or step == max_steps:
                 stats = eng.all_reduce_mean(torch.stack(window).mean(0).float())
                 tok = eng.all_reduce_mean(torch.tensor([float(tokens)])) * dist.world_size
@@ -297,14 +370,23 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             ):
                 save(step)
             logger.advance(step)
-            if step >= max_steps or step == cfg.stop_at_step:
+            if step >= max_steps or step == cfg.stop_at_step or stopping:
                 break
-        if step == cfg.stop_at_step:
+        if step == cfg.stop_at_step or stopping:
             break
     newest = ckpt.latest_complete(ckpt_root)
     if newest is None or ckpt.read_marker(newest)["step"] != step:
         save(step)
     logger.close()
+    if stopping and step < max_steps:
+        if dist.rank == 0:
+            print(
+                f"stop signal: checkpoint of step {step} complete; exiting with {EXIT_REQUEUE} "
+                "(resume with --resume auto)",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise StopRequested(step)
     return last
 
 
@@ -356,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     cfg = build_config(TrainConfig, args.config, overrides)
-    train(cfg)
+    try:
+        train(cfg)
+    except StopRequested:
+        return EXIT_REQUEUE
     return 0
 
 

@@ -364,3 +364,94 @@ def test_two_rank_seed_encoder_loss_falls_on_wikitext(tmp_path, wiki_shards):
         config["model"]["objective"]["decoder_layers"] == 3
         and config["model"]["objective"]["window"] == 2
     )
+
+
+@pytest.mark.slow
+def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, synthetic_shards):
+    """Two ranks started the way srun starts them (RANK / WORLD_SIZE in the environment); a
+    SIGUSR1 reaches rank 1 only. Both ranks stop after the same step, the checkpoint of that
+    step is complete (its save needs both ranks), and both exit with EXIT_REQUEUE."""
+    import signal
+    import time
+
+    from retromae_ds.train import EXIT_REQUEUE
+
+    run = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "retromae_ds.train",
+        "--data.shards",
+        str(synthetic_shards),
+        "--run_dir",
+        str(run),
+        "--progress",
+        "false",
+        "--model.encoder.name",
+        "tiny",
+        "--model.encoder.max_position_embeddings",
+        "64",
+        "--micro_batch_size",
+        "8",
+        "--max_steps",
+        "30",
+        "--log_every",
+        "1",
+        "--deepspeed.timeout_s",
+        "60",
+    ]
+    common = {
+        **ENV,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RETROMAE_DS_TEST_STEP_SLEEP_S": "0.3",  # test hook: time to signal mid-run
+    }
+    logs = [open(tmp_path / f"rank{r}.log", "w") for r in (0, 1)]  # noqa: SIM115
+    ranks = [
+        subprocess.Popen(
+            args,
+            cwd=REPO,
+            env={**common, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").exists() or len(metrics(run)) < 2:
+            assert time.monotonic() < deadline and ranks[0].poll() is None, "no step 2"
+            time.sleep(0.1)
+        ranks[1].send_signal(signal.SIGUSR1)
+        codes = [p.wait(timeout=120) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+    rank0 = (tmp_path / "rank0.log").read_text()
+    assert codes == [EXIT_REQUEUE, EXIT_REQUEUE], rank0[-3000:]
+    step = metrics(run)[-1]["step"]
+    assert 2 <= step < 30
+    assert f"stop signal: checkpoint of step {step} complete" in rank0
+    last = ckpt.latest_complete(run / "checkpoints")
+    assert ckpt.read_marker(last) == {"step": step, "world_size": 2, "objective": "retromae"}
+    for r in (0, 1):  # each rank's sampler stopped after the same number of samples
+        state = ckpt.read_rank_state(last, r)["sampler"]
+        assert state == {**state, "consumed": step * 8}, state
+
+
+def test_stop_signals_are_validated(synthetic_shards):
+    from retromae_ds.config import build_config
+    from retromae_ds.train import TrainConfig, signal_number
+
+    assert signal_number("USR1") == signal_number("SIGUSR1")
+    base = ["--data.shards", str(synthetic_shards), "--max_steps", "1"]
+    cfg = build_config(TrainConfig, None, [*base, "--stop_signals", "SIGUSR2,TERM"])
+    assert cfg.stop_signals == ["SIGUSR2", "TERM"]
+    assert build_config(TrainConfig, None, [*base, "--stop_signals", ""]).stop_signals == []
+    for bad in ("SIGKILL", "SIGNOPE"):
+        with pytest.raises(ValueError, match="stop_signals"):
+            build_config(TrainConfig, None, [*base, "--stop_signals", bad])
