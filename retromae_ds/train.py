@@ -156,7 +156,11 @@ class StopRequested(Exception):
 class StopSignals:
     """Handlers that only note that a stop signal arrived (nothing else is safe inside a
     handler); the training loop reads ``received`` at step boundaries. Restores the previous
-    handlers on exit. Outside the main thread Python cannot install handlers: then inert."""
+    handlers on exit, except after a stop: then the process is on its way out with a complete
+    checkpoint and ignores further stop signals, because the launcher ends the other ranks
+    with SIGTERM as soon as the first one exits (srun --kill-on-bad-exit, the deepspeed
+    launcher), which must not turn their status 85 into 143. Outside the main thread Python
+    cannot install handlers: then inert."""
 
     def __init__(self, names: list[str]) -> None:
         self.signals = [signal_number(name) for name in names]
@@ -172,9 +176,10 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._note)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        stopped = exc_type is not None and issubclass(exc_type, StopRequested)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if stopped else handler)
 
 
 def lr_lambda(cfg: OptimConfig, max_steps: int):

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_helpers import CannotStart, SlurmCluster, job_processes, wait_for
+from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes, wait_for
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
@@ -134,6 +134,19 @@ def submit_pretrain(
     )
 
 
+def wait_while_running(cluster: SlurmCluster, job: int, predicate, what: str, run: Path):
+    """Wait (bounded) until ``predicate()`` holds; fail at once if the job ends first."""
+
+    def check():
+        if predicate():
+            return True
+        if cluster.job(job).get("JobState") in FINAL_STATES:
+            raise AssertionError(f"job {job} ended before {what}:\n{explain(run, job)}")
+        return False
+
+    wait_for(check, 180, what, interval=0.3)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -204,7 +217,7 @@ def test_signal_checkpoints_requeues_and_resumes_exactly(one_node, tmp_path, sha
         "--ntasks=2",
         env={"RETROMAE_DS_TEST_STEP_SLEEP_S": "0.3"},
     )
-    wait_for(lambda: len(metrics(run)) >= 3, 180, "step 3 of the first run")
+    wait_while_running(one_node, job, lambda: len(metrics(run)) >= 3, "step 3", run)
     # what Slurm does at the time-limit warning of --signal=B:USR1@lead: USR1 to the batch shell
     signalled = one_node.run("scancel", "--signal=USR1", "--batch", str(job))
     assert signalled.returncode == 0, signalled.stderr
@@ -245,7 +258,7 @@ def test_rank_killed_fails_the_job_in_bounded_time(one_node, tmp_path, shards, r
         done = ckpt.latest_complete(run / "checkpoints")
         return done is not None and ckpt.read_marker(done)["step"] >= 4
 
-    wait_for(checkpoint_at_least_4, 180, "a complete checkpoint of step >= 4")
+    wait_while_running(one_node, job, checkpoint_at_least_4, "a checkpoint of step >= 4", run)
     (victim,) = job_processes(job, RANK="1")
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -255,7 +268,7 @@ def test_rank_killed_fails_the_job_in_bounded_time(one_node, tmp_path, shards, r
     assert state["ExitCode"] != f"{EXIT_REQUEUE}:0" and state["Restarts"] == "0"
     assert elapsed < 60, f"the job took {elapsed:.0f}s to end after a rank died"
     print(f"job {job} ended {elapsed:.1f}s after rank 1 was killed")  # shown with pytest -s
-    assert job_processes(job) == [], "trainer processes outlived their job"
+    wait_for(lambda: not job_processes(job), 15, "the job's trainer processes to end")
     last = ckpt.latest_complete(run / "checkpoints")
     step = ckpt.read_marker(last)["step"]
     assert 4 <= step < MAX_STEPS and ckpt.read_marker(last)["world_size"] == 2

@@ -455,3 +455,25 @@ def test_stop_signals_are_validated(synthetic_shards):
     for bad in ("SIGKILL", "SIGNOPE"):
         with pytest.raises(ValueError, match="stop_signals"):
             build_config(TrainConfig, None, [*base, "--stop_signals", bad])
+
+
+def test_after_a_stop_further_stop_signals_are_ignored():
+    """When the first rank exits with 85, srun (--kill-on-bad-exit) and the deepspeed launcher
+    send SIGTERM to the others: a process that stopped must not die of it (143) on its way out;
+    a process that did not stop gets its previous handlers back."""
+    import signal
+
+    from retromae_ds.train import StopRequested, StopSignals
+
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        with StopSignals(["SIGUSR2"]) as stop:
+            signal.raise_signal(signal.SIGUSR2)
+            assert stop.received == "SIGUSR2"
+        assert signal.getsignal(signal.SIGUSR2) is previous
+        with pytest.raises(StopRequested), StopSignals(["SIGUSR2"]):
+            raise StopRequested(3)
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+        signal.raise_signal(signal.SIGUSR2)  # ignored: the test process lives on
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
