@@ -4,6 +4,8 @@ retromae-ds demo               the main job on the built-in corpus (README)
 retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_shards.py)
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
 retromae-ds inspect DIR        summary of a shards folder
+retromae-ds finetune ...       ANCE dense-retrieval fine-tuning (--config FILE, --a.b VALUE)
+retromae-ds refresh ...        the asynchronous hard-negative refresher of a fine-tuning run
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     # listed for --help; parsed in main() so that other commands do not import torch/faiss
     sub.add_parser("pretrain", help="pre-train on DeepSpeed (--config FILE, --section.field VALUE)")
     sub.add_parser("eval", help="retrieval metrics of an encoder on a BEIR folder")
+    sub.add_parser("finetune", help="ANCE fine-tuning on DeepSpeed (--config FILE, --a.b VALUE)")
+    sub.add_parser("refresh", help="hard-negative refresher of a fine-tuning run (--run_dir RUN)")
 
     p = sub.add_parser("demo", help="the main job on the built-in corpus")
     p.add_argument("--out", default="runs/demo")
@@ -222,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         from retromae_ds.train import main as pretrain_main
 
         return pretrain_main(argv[1:])
+    if argv[:1] == ["finetune"]:
+        from retromae_ds.finetune import main as finetune_main
+
+        return finetune_main(argv[1:])
+    if argv[:1] == ["refresh"]:
+        from retromae_ds.ance.refresher import main as refresh_main
+
+        return refresh_main(argv[1:])
     if argv[:1] == ["eval"]:
         from retromae_ds.eval.run import add_eval_args, cmd_eval
 

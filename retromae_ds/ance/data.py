@@ -1,0 +1,189 @@
+"""Fine-tuning data: a BEIR split tokenized once into shards, and batches of token ids.
+
+``prepare(beir_dir, split, tokenizer_dir, out)`` writes ``out/corpus`` and ``out/queries``
+with the preprocessing tool (the shard format of pre-training: memory-mapped, resumable, with
+the tokenizer fingerprint), passages cut at ``p_max_len`` and queries at ``q_max_len`` tokens
+(special tokens included; a passage is the first chunk of its document, i.e. truncated as
+dense retrievers do). ``load(out)`` returns a ``TrainingSet``: the passage
+table (one passage per non-empty document, in corpus order), the split's queries that have
+at least one positive, and every positive (relevance > 0) of each as passage indices.
+``token_batch`` turns shard rows into ``[CLS] ids [SEP]`` tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from retromae_ds.data import schema
+from retromae_ds.data.collate import SpecialIds
+from retromae_ds.data.dataset import ShardDataset
+from retromae_ds.fsutil import atomic_write_text
+
+READY = "READY"
+
+
+@dataclass
+class TrainingSet:
+    corpus: ShardDataset
+    passage_rows: np.ndarray  # int64 [P]: shard row of passage p
+    passage_ids: list[str]  # [P] BEIR document ids
+    queries: ShardDataset
+    query_rows: np.ndarray  # int64 [Q]: shard row of training query q
+    query_ids: list[str]  # [Q]
+    positives: list[np.ndarray]  # [Q] passage indices with relevance > 0
+    special: SpecialIds
+
+    @property
+    def num_passages(self) -> int:
+        return len(self.passage_rows)
+
+    @property
+    def num_queries(self) -> int:
+        return len(self.query_rows)
+
+    def fingerprint(self) -> dict:
+        """What a negatives file refers to: the same passages and queries, in this order."""
+        return {
+            "num_passages": self.num_passages,
+            "num_queries": self.num_queries,
+            "corpus_shards_sha256": [s["sha256"] for s in self.corpus.manifest["shards"]],
+            "queries_shards_sha256": [s["sha256"] for s in self.queries.manifest["shards"]],
+        }
+
+
+def prepare(
+    beir_dir: str | Path,
+    split: str,
+    tokenizer_dir: str | Path,
+    out: str | Path,
+    *,
+    q_max_len: int,
+    p_max_len: int,
+    workers: int = 1,
+    progress: bool = True,
+) -> Path:
+    """Tokenize the corpus and the split's queries into ``out`` (skipped when already done)."""
+    from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
+    from retromae_ds.eval.beir import load_qrels, load_queries
+
+    out = Path(out)
+    settings = {
+        "beir": str(Path(beir_dir).resolve()),
+        "split": split,
+        "tokenizer": str(Path(tokenizer_dir).resolve()),
+        "q_max_len": q_max_len,
+        "p_max_len": p_max_len,
+    }
+    if (out / READY).is_file():
+        done = json.loads((out / READY).read_text())
+        if done != settings:
+            raise ValueError(f"{out}: prepared with {done}, this run asks for {settings}")
+        return out
+    beir_dir = Path(beir_dir)
+    qrels = load_qrels(beir_dir / "qrels" / f"{split}.tsv")
+    queries = load_queries(beir_dir / "queries.jsonl")
+    missing = [q for q in qrels if q not in queries]
+    if missing:
+        raise ValueError(f"{beir_dir}: {len(missing)} {split} qrels queries are missing")
+    out.mkdir(parents=True, exist_ok=True)
+    query_file = out / f"queries.{split}.jsonl"
+    atomic_write_text(
+        query_file, "".join(json.dumps({"_id": q, "text": queries[q]}) + "\n" for q in qrels)
+    )
+    for name, inputs, length in (
+        ("corpus", [str(beir_dir / "corpus.jsonl")], p_max_len),
+        ("queries", [str(query_file)], q_max_len),
+    ):
+        run_preprocess(
+            PreprocessConfig(
+                inputs=inputs,
+                out=str(out / name),
+                tokenizer=str(tokenizer_dir),
+                max_length=length,
+                workers=workers,
+                progress=progress,
+            )
+        )
+    atomic_write_text(out / READY, json.dumps(settings))
+    return out
+
+
+def _first_chunks(ds: ShardDataset) -> tuple[np.ndarray, list[str]]:
+    """(shard rows, document ids) of every document's first chunk, in shard order."""
+    rows, ids = [], []
+    start = 0
+    for meta in ds.manifest["shards"]:
+        with pa.memory_map(str(ds.folder / meta["file"])) as source:
+            table = pa.ipc.open_file(source).read_all()
+        chunk = table.column(schema.CHUNK_INDEX).to_numpy()
+        first = np.flatnonzero(chunk == 0)
+        rows.append(first + start)
+        doc_ids = table.column(schema.DOC_ID).to_pylist()
+        ids += [doc_ids[i] for i in first.tolist()]
+        start += meta["rows"]
+    if ds.packed:
+        raise ValueError(f"{ds.folder}: packed shards cannot serve as passages")
+    return (np.concatenate(rows) if rows else np.zeros(0, np.int64)).astype(np.int64), ids
+
+
+def load(prepared: str | Path) -> TrainingSet:
+    """The training set of a folder written by ``prepare`` (qrels are read from the BEIR
+    folder it was prepared from)."""
+    from retromae_ds.eval.beir import load_qrels
+
+    prepared = Path(prepared)
+    if not (prepared / READY).is_file():
+        raise FileNotFoundError(f"{prepared}: not a prepared fine-tuning data folder")
+    settings = json.loads((prepared / READY).read_text())
+    beir_dir, split = settings["beir"], settings["split"]
+    corpus = ShardDataset(prepared / "corpus")
+    queries = ShardDataset(prepared / "queries")
+    if corpus.manifest["tokenizer"] != queries.manifest["tokenizer"]:
+        raise ValueError(f"{prepared}: corpus and queries were tokenized differently")
+    passage_rows, passage_ids = _first_chunks(corpus)
+    passage_of = {d: i for i, d in enumerate(passage_ids)}
+    query_rows_all, query_ids_all = _first_chunks(queries)
+    qrels = load_qrels(Path(beir_dir) / "qrels" / f"{split}.tsv")
+    query_rows, query_ids, positives = [], [], []
+    for row, qid in zip(query_rows_all.tolist(), query_ids_all, strict=True):
+        pos = sorted(
+            {passage_of[d] for d, rel in qrels.get(qid, {}).items() if rel > 0 and d in passage_of}
+        )
+        if pos:  # a query without a positive passage cannot be trained on
+            query_rows.append(row)
+            query_ids.append(qid)
+            positives.append(np.asarray(pos, dtype=np.int64))
+    if not query_rows:
+        raise ValueError(f"{prepared}: no {split} query has a positive passage in the corpus")
+    return TrainingSet(
+        corpus=corpus,
+        passage_rows=passage_rows,
+        passage_ids=passage_ids,
+        queries=queries,
+        query_rows=np.asarray(query_rows, dtype=np.int64),
+        query_ids=query_ids,
+        positives=positives,
+        special=SpecialIds.from_fingerprint(corpus.manifest["tokenizer"]),
+    )
+
+
+def token_batch(
+    ds: ShardDataset, rows: np.ndarray, special: SpecialIds
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids_BL, attention_mask_BL)`` int64: ``[CLS] row [SEP]`` right-padded."""
+    batch = ds.get_batch(rows)
+    lengths = batch.lengths
+    width = int(lengths.max(initial=0)) + 2
+    ids = np.full((len(lengths), width), special.pad, dtype=np.int64)
+    ids[:, 0] = special.cls
+    body = (np.arange(width) >= 1) & (np.arange(width) <= lengths[:, None])
+    ids[body] = batch.input_ids
+    ids[np.arange(len(lengths)), lengths + 1] = special.sep
+    mask = np.arange(width) < (lengths[:, None] + 2)
+    return torch.from_numpy(ids), torch.from_numpy(mask.astype(np.int64))

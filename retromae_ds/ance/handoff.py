@@ -1,0 +1,238 @@
+"""The negatives hand-off between the refresher and the trainer: versioned files, one pointer.
+
+Layout under ``RUN/negatives``::
+
+    v0.arrow, v0.json        version 0 (BM25) and its manifest
+    v1.arrow, v1.json        version 1, mined with the checkpoint named in its manifest
+    CURRENT                  pointer (JSON: version, step, path, sha256), replaced atomically
+
+A version is published in this order: the Arrow file is written under a temporary name,
+fsynced and renamed to ``v{N}.arrow``; its manifest is written the same way; only then is
+``CURRENT`` replaced by an atomic rename. A reader reads ``CURRENT``, then the file it names,
+and checks the file's sha256 against the pointer, so it only ever sees complete versions; a
+writer killed at any point leaves at most hidden temporary files (removed on the next
+publish) and the previous pointer in place.
+
+File schema (``NEGATIVES_SCHEMA``): one row per training query, in training-set order,
+``negatives`` = passage indices (int32) into the training set's passage table. The manifest
+names the version, the trainer step of the checkpoint it was mined with (0 for BM25), the
+source, the corpus/query fingerprint it refers to, and the refresh timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
+
+SCHEMA_VERSION = 1
+POINTER = "CURRENT"
+NEGATIVES_SCHEMA = pa.schema(
+    [
+        pa.field("query_index", pa.int32(), nullable=False),
+        pa.field("negatives", pa.list_(pa.int32()), nullable=False),
+    ],
+    metadata={b"retromae_ds.negatives_schema_version": str(SCHEMA_VERSION).encode()},
+)
+_VERSION_FILE = re.compile(r"^v(\d+)\.json$")
+
+
+def data_file(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version}.arrow"
+
+
+def manifest_file(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version}.json"
+
+
+@dataclass
+class Negatives:
+    """One published version in memory: query q's negatives are
+    ``values[offsets[q]:offsets[q+1]]`` (passage indices)."""
+
+    version: int
+    step: int
+    manifest: dict[str, Any]
+    offsets: np.ndarray  # int64 [Q+1]
+    values: np.ndarray  # int32 [total]
+
+    @property
+    def num_queries(self) -> int:
+        return len(self.offsets) - 1
+
+    def of(self, query: int) -> np.ndarray:
+        return self.values[self.offsets[query] : self.offsets[query + 1]]
+
+
+def published_versions(root: Path) -> list[int]:
+    """Versions whose manifest exists (so their data file is complete), ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [int(m.group(1)) for p in root.iterdir() if (m := _VERSION_FILE.match(p.name))]
+    return sorted(found)
+
+
+def next_version(root: Path) -> int:
+    """The version number a new publication gets: one past every version ever published
+    (a restarted refresher continues the sequence; a killed one never consumed a number)."""
+    versions = published_versions(root)
+    pointer = read_pointer(root)
+    last = max(versions + ([pointer["version"]] if pointer else []), default=-1)
+    return last + 1
+
+
+def _write_arrow(path: Path, negatives: list[np.ndarray]) -> None:
+    lengths = np.fromiter((len(n) for n in negatives), dtype=np.int64, count=len(negatives))
+    offsets = np.zeros(len(negatives) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = (
+        np.concatenate([np.asarray(n, dtype=np.int32) for n in negatives])
+        if negatives
+        else np.zeros(0, np.int32)
+    )
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
+    batch = pa.RecordBatch.from_arrays(
+        [pa.array(np.arange(len(negatives), dtype=np.int32)), column], schema=NEGATIVES_SCHEMA
+    )
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            with pa.ipc.new_file(f, NEGATIVES_SCHEMA) as writer:
+                writer.write_batch(batch)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def publish(
+    root: Path,
+    version: int,
+    negatives: list[np.ndarray],
+    *,
+    step: int,
+    meta: dict[str, Any] | None = None,
+    keep_last: int = 0,
+) -> dict[str, Any]:
+    """Write version ``version`` (data file, manifest) and point ``CURRENT`` at it.
+
+    ``negatives[q]`` are query q's negative passage indices. ``keep_last`` > 0 deletes
+    versions older than the newest ``keep_last`` (never the one being published). Returns the
+    pointer written.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    if manifest_file(root, version).exists():
+        raise FileExistsError(f"{manifest_file(root, version)}: version {version} already exists")
+    for stale in root.glob(".v*.tmp"):  # leftovers of a writer killed mid-write
+        stale.unlink(missing_ok=True)
+    path = data_file(root, version)
+    _write_arrow(path, negatives)
+    fsync_dir(root)
+    digest = sha256_file(path)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "version": version,
+        "step": int(step),
+        "file": path.name,
+        "sha256": digest,
+        "bytes": path.stat().st_size,
+        "num_queries": len(negatives),
+        "num_negatives": int(sum(len(n) for n in negatives)),
+        "created": time.time(),
+        **(meta or {}),
+    }
+    atomic_write_text(manifest_file(root, version), json.dumps(manifest, indent=2))
+    pointer = {
+        "version": version,
+        "step": int(step),
+        "path": path.name,
+        "sha256": digest,
+        "manifest": manifest_file(root, version).name,
+    }
+    atomic_write_text(root / POINTER, json.dumps(pointer))
+    fsync_dir(root)
+    if keep_last > 0:
+        for old in published_versions(root)[:-keep_last]:
+            if old != version:
+                manifest_file(root, old).unlink(missing_ok=True)
+                data_file(root, old).unlink(missing_ok=True)
+    return pointer
+
+
+def read_pointer(root: Path) -> dict[str, Any] | None:
+    """The current pointer, or None before the first publication."""
+    try:
+        text = (Path(root) / POINTER).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    pointer = json.loads(text)  # replaced by rename: never half-written
+    for key in ("version", "step", "path", "sha256"):
+        if key not in pointer:
+            raise ValueError(f"{Path(root) / POINTER}: pointer lacks {key!r}")
+    return pointer
+
+
+def load_version(root: Path, version: int, *, sha256: str | None = None) -> Negatives:
+    """Read and validate version ``version``: manifest, sha256, schema, row count."""
+    root = Path(root)
+    mpath = manifest_file(root, version)
+    if not mpath.is_file():
+        raise FileNotFoundError(f"{mpath}: negatives version {version} is not published")
+    manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    path = root / manifest["file"]
+    data = path.read_bytes()  # one read: the checksum and the table come from the same bytes
+    import hashlib
+
+    digest = hashlib.sha256(data).hexdigest()
+    for expected, who in ((manifest["sha256"], "its manifest"), (sha256, "the pointer")):
+        if expected is not None and digest != expected:
+            raise ValueError(f"{path}: sha256 {digest[:12]} differs from {who} ({expected[:12]})")
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    meta = reader.schema.metadata or {}
+    got = meta.get(b"retromae_ds.negatives_schema_version", b"?").decode()
+    if got != str(SCHEMA_VERSION) or not reader.schema.equals(
+        NEGATIVES_SCHEMA, check_metadata=False
+    ):
+        raise ValueError(f"{path}: not a negatives file of schema version {SCHEMA_VERSION}")
+    table = reader.read_all().combine_chunks()
+    if table.num_rows != manifest["num_queries"]:
+        raise ValueError(f"{path}: {table.num_rows} rows, manifest says {manifest['num_queries']}")
+    column = table.column("negatives").chunk(0) if table.num_rows else None
+    if column is None:
+        offsets, values = np.zeros(1, np.int64), np.zeros(0, np.int32)
+    else:
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        values = column.values.to_numpy().astype(np.int32)
+        values = values[offsets[0] : offsets[-1]]
+        offsets = offsets - offsets[0]
+    return Negatives(version, int(manifest["step"]), manifest, offsets, values)
+
+
+def load_current(root: Path, retries: int = 5) -> Negatives | None:
+    """The version ``CURRENT`` names (None before the first publication). Retries when the
+    named version disappears between the two reads (pruned by ``keep_last``)."""
+    for attempt in range(retries):
+        pointer = read_pointer(root)
+        if pointer is None:
+            return None
+        try:
+            return load_version(root, pointer["version"], sha256=pointer["sha256"])
+        except FileNotFoundError:
+            if attempt == retries - 1:
+                raise
+            time.sleep(0.05)
+    return None

@@ -1,0 +1,101 @@
+"""Hard negatives from a ranking: remove every positive, then sample n per query.
+
+``mine(ranked_QK, positives, n, strategy, skip_top, seed, num_passages)`` works on any
+ranking (dense search or BM25): row q of ``ranked_QK`` holds passage indices best first
+(``-1`` for empty slots). All positives of the query (every qrel with relevance > 0) are
+removed first; then ``strategy="random"`` draws n without replacement from the remaining
+candidates past the first ``skip_top`` (the top non-positive ranks are the likeliest
+unlabelled positives), and ``strategy="top"`` takes the next n after ``skip_top``. A query
+with too few candidates is topped up with random passages that are not its positives, so
+every query gets exactly n negatives. Deterministic for a given seed.
+
+``bm25_rankings`` gives the initial ranking with ``bm25s`` (the first negatives version).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+STRATEGIES = ("random", "top")
+
+
+def mine(
+    ranked_QK: np.ndarray,
+    positives: Sequence[np.ndarray],
+    n: int,
+    *,
+    strategy: str = "random",
+    skip_top: int = 0,
+    seed: int = 0,
+    num_passages: int,
+) -> list[np.ndarray]:
+    """``n`` negative passage indices (int32) per query; never a positive of that query."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
+    if n < 1 or skip_top < 0:
+        raise ValueError(f"need n >= 1 and skip_top >= 0, got {n}, {skip_top}")
+    if len(ranked_QK) != len(positives):
+        raise ValueError(f"{len(ranked_QK)} rankings for {len(positives)} queries")
+    out: list[np.ndarray] = []
+    for q, (ranked, pos) in enumerate(zip(ranked_QK, positives, strict=True)):
+        pos = np.asarray(pos, dtype=np.int64)
+        if len(pos) >= num_passages:
+            raise ValueError(f"query {q}: every passage is a positive; no negative exists")
+        rng = np.random.default_rng([seed, q])
+        ranked = np.asarray(ranked, dtype=np.int64)
+        ranked = ranked[ranked >= 0]
+        _, first = np.unique(ranked, return_index=True)  # a ranking may repeat a passage
+        ranked = ranked[np.sort(first)]
+        candidates = ranked[~np.isin(ranked, pos)][skip_top:]
+        if strategy == "top":
+            chosen = candidates[:n]
+        else:
+            chosen = rng.choice(candidates, size=min(n, len(candidates)), replace=False)
+        if len(chosen) < n:
+            chosen = np.concatenate(
+                [chosen, _random_fill(rng, n - len(chosen), pos, chosen, num_passages)]
+            )
+        out.append(chosen.astype(np.int32))
+    return out
+
+
+def _random_fill(
+    rng: np.random.Generator, count: int, pos: np.ndarray, taken: np.ndarray, num_passages: int
+) -> np.ndarray:
+    """``count`` random passages that are not positives, distinct from each other and from
+    ``taken`` while the corpus has enough non-positives (repeats only in a tiny corpus)."""
+    banned = {int(p) for p in pos if 0 <= p < num_passages}
+    distinct = num_passages - len(banned) - len(taken) >= count
+    if distinct:
+        banned |= {int(p) for p in taken}
+    fill: list[int] = []
+    while len(fill) < count:
+        p = int(rng.integers(num_passages))
+        if p not in banned:
+            fill.append(p)
+            if distinct:
+                banned.add(p)
+    return np.asarray(fill, dtype=np.int64)
+
+
+def bm25_rankings(
+    passages: Sequence[str], queries: Sequence[str], k: int, *, progress: bool = True
+) -> np.ndarray:
+    """Top-``k`` passage indices per query by BM25 (``bm25s``, English stop words), ``[Q, k]``,
+    ``-1`` where the corpus is smaller than k."""
+    import bm25s
+
+    k_eff = min(k, len(passages))
+    retriever = bm25s.BM25()
+    retriever.index(
+        bm25s.tokenize(list(passages), stopwords="en", show_progress=progress),
+        show_progress=progress,
+    )
+    tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=progress)
+    ids, _ = retriever.retrieve(tokens, k=k_eff, show_progress=progress, n_threads=0)
+    ids = np.asarray(ids, dtype=np.int64)
+    if k_eff < k:
+        ids = np.hstack([ids, np.full((len(ids), k - k_eff), -1, dtype=np.int64)])
+    return ids

@@ -1,0 +1,129 @@
+"""The dual encoder: query and passage towers (one shared Hugging Face encoder by default),
+pooled sentence embeddings, and the contrastive loss with gathered in-batch negatives.
+
+``resolve_init(path)`` accepts a local Hugging Face encoder folder, a complete pre-training
+or fine-tuning checkpoint, or a run folder (its newest complete checkpoint), and returns the
+encoder folder to load. ``save_encoders`` writes the towers as Hugging Face folders (with the
+tokenizer, sentence-transformers pooling files and ``dual_encoder.json`` naming the pooling),
+which is what the refresher and ``retromae-ds eval`` load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from retromae_ds import checkpoint as ckpt
+from retromae_ds.ance.loss import contrastive_loss
+from retromae_ds.eval.encode import pool
+
+SETTINGS_FILE = "dual_encoder.json"
+
+
+def resolve_init(path: str | Path) -> Path:
+    """The Hugging Face folder to initialise from (see the module docstring)."""
+    path = Path(path)
+    if (path / ckpt.MARKER).is_file():
+        folder = path / "encoder"
+    elif (path / "config.json").is_file():
+        folder = path
+    else:
+        latest = ckpt.latest_complete(path / "checkpoints")
+        if latest is None:
+            raise FileNotFoundError(
+                f"{path}: neither a Hugging Face encoder folder, a complete checkpoint, "
+                "nor a run folder holding one"
+            )
+        folder = latest / "encoder"
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no Hugging Face model (config.json) there")
+    return folder
+
+
+def load_body(folder: str | Path) -> nn.Module:
+    """The encoder body (no MLM head, no pooler) of a local Hugging Face folder."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(folder), local_files_only=True)
+    if getattr(model, "pooler", None) is not None:
+        model.pooler = None  # unused by CLS/mean pooling; would hold parameters without grads
+    return model
+
+
+class DualEncoder(nn.Module):
+    """``forward(batch)`` -> ``{"loss", "accuracy"}`` for a batch made by the fine-tuning
+    collator; ``embed(ids, mask, query=...)`` -> pooled embeddings ``[B, D]``."""
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        query_encoder: nn.Module | None = None,
+        *,
+        pooling: str = "cls",
+        normalize: bool = False,
+        temperature: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if pooling not in ("cls", "mean") or temperature <= 0:
+            raise ValueError(f"pooling cls|mean and temperature > 0, got {pooling}, {temperature}")
+        self.encoder = encoder
+        self.query_encoder = query_encoder
+        self.pooling, self.normalize, self.temperature = pooling, normalize, temperature
+
+    def embed(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, *, query: bool) -> torch.Tensor:
+        tower = self.query_encoder if query and self.query_encoder is not None else self.encoder
+        hidden_BLD = tower(input_ids=ids_BL, attention_mask=mask_BL).last_hidden_state
+        emb_BD = pool(hidden_BLD, mask_BL, self.pooling)
+        return nn.functional.normalize(emb_BD, dim=-1) if self.normalize else emb_BD
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        q_BD = self.embed(batch["q_ids"], batch["q_mask"], query=True)
+        p_PD = self.embed(batch["p_ids"], batch["p_mask"], query=False)
+        loss, accuracy = contrastive_loss(
+            q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature
+        )
+        return {"loss": loss, "accuracy": accuracy}
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "temperature": self.temperature,
+            "shared": self.query_encoder is None,
+        }
+
+
+def save_encoders(
+    model: DualEncoder, state: dict[str, torch.Tensor], folder: Path, tokenizer_dir: str | Path
+) -> None:
+    """Write ``folder/encoder`` (and ``folder/query_encoder`` when the towers differ) from a
+    full state dict of ``model`` (e.g. DeepSpeed's consolidated one)."""
+    from transformers import AutoTokenizer
+
+    from retromae_ds.export import _write_sentence_transformers_files
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    towers = [("encoder", model.encoder)]
+    if model.query_encoder is not None:
+        towers.append(("query_encoder", model.query_encoder))
+    for name, tower in towers:
+        sub = {k.removeprefix(f"{name}."): v for k, v in state.items() if k.startswith(f"{name}.")}
+        out = folder / name
+        tower.save_pretrained(str(out), state_dict=sub, safe_serialization=True)
+        tokenizer.save_pretrained(str(out))
+        _write_sentence_transformers_files(
+            out, tower.config.hidden_size, model.pooling, tower.config.max_position_embeddings
+        )
+        (out / SETTINGS_FILE).write_text(json.dumps(model.settings(), indent=2))
+
+
+def load_settings(encoder_dir: str | Path) -> dict[str, Any]:
+    """Pooling and normalisation saved with a fine-tuned encoder (defaults: CLS, raw)."""
+    path = Path(encoder_dir) / SETTINGS_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"pooling": "cls", "normalize": False, "shared": True}

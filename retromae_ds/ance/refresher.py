@@ -1,0 +1,477 @@
+"""The asynchronous hard-negative refresher: ``retromae-ds refresh --run_dir RUN [...]``.
+
+Also ``python -m retromae_ds.ance.refresher``. A separate process (or Slurm job step, or the
+trainer's ``--refresher local`` subprocess) that loops:
+
+1. wait for a *complete* trainer checkpoint newer than the one behind the current negatives;
+2. load its encoder(s) (``checkpoint/encoder``, ``query_encoder`` when not shared);
+3. encode the passages in batches, each rank its own contiguous part, written to
+   ``negatives/.work/v{N}/passages_rank{r}.npy`` (temp + rename; a restarted refresher reuses
+   complete parts of the same checkpoint); the queries likewise, split over the ranks;
+4. each rank searches all queries in its own part (``retromae_ds.index``: faiss, on GPUs when
+   usable, or exact torch matmul + top-k), so no rank ever holds the whole corpus embedding
+   matrix; rank 0 merges the ranks' top-K lists (``merge_topk``, ``[Q, K]`` each);
+5. removes every positive, samples n negatives per query (``mining.mine``) and publishes
+   ``negatives/v{N}.arrow`` + manifest + the ``CURRENT`` pointer (``handoff.publish``).
+
+Versions continue from the last published one after a restart; a refresher killed at any
+point leaves only the hidden ``.work`` folder, never a visible partial version. It exits when
+the trainer has written ``RUN/FINISHED`` (after this refresher started) and no newer
+checkpoint is waiting, after ``max_versions`` versions, or after ``idle_timeout_s`` without a
+new checkpoint. Timings per version go to ``RUN/refresh_metrics.jsonl`` and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from retromae_ds import checkpoint as ckpt
+from retromae_ds.ance import data as ance_data
+from retromae_ds.ance import handoff
+from retromae_ds.ance.mining import STRATEGIES, mine
+from retromae_ds.ance.model import load_body, load_settings
+from retromae_ds.data.collate import SpecialIds
+from retromae_ds.data.dataset import ShardDataset
+from retromae_ds.eval.encode import pool, resolve_device
+
+FINISHED = "FINISHED"
+
+
+@dataclass(kw_only=True)
+class RefreshConfig:
+    run_dir: str = ""
+    """The trainer's run folder (checkpoints/ is read, negatives/ is written)."""
+    data_dir: str = ""
+    """The prepared training data (default RUN/data, written by the trainer)."""
+    top_k: int = 200
+    """Passages retrieved per training query before positives are removed."""
+    num_negatives: int = 8
+    """Negatives written per query (the trainer uses n of them per step)."""
+    strategy: str = "random"
+    """``random``: n drawn from the top-K; ``top``: the n best ranked."""
+    skip_top: int = 0
+    """Skip this many top-ranked non-positives first (likely unlabelled positives)."""
+    index: str = "auto"
+    """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
+    batch_size: int = 128
+    """Texts per forward pass."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda:1, ..."""
+    bf16: bool = True
+    """Encode under bf16 autocast on CUDA (ignored on CPU)."""
+    poll_s: float = 5.0
+    """Seconds between looks for a new checkpoint."""
+    min_new_steps: int = 1
+    """Refresh only from a checkpoint at least this many steps after the last version's."""
+    max_versions: int = 0
+    """Stop after publishing this many versions (0: no limit)."""
+    idle_timeout_s: float = 0.0
+    """Stop after this long without a new checkpoint (0: wait while the trainer runs)."""
+    keep_last: int = 0
+    """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
+    seed: int = 0
+    progress: bool = True
+    timeout_s: int = 1800
+    """Collective timeout between the refresher's own ranks."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"refresh.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
+        if self.index not in ("auto", "faiss", "torch"):
+            raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
+        if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
+            raise ValueError("refresh: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
+
+
+# --------------------------------------------------------------------------- encoding
+def encode_rows(
+    model: torch.nn.Module,
+    ds: ShardDataset,
+    rows: np.ndarray,
+    special: SpecialIds,
+    *,
+    pooling: str,
+    normalize: bool,
+    batch_size: int,
+    amp_dtype: torch.dtype | None = None,
+    desc: str = "encode",
+    progress: bool = True,
+) -> np.ndarray:
+    """Embeddings float32 ``[len(rows), D]`` of shard rows (``[CLS] row [SEP]``), in order.
+
+    Rows are taken in windows of 64 batches, each sorted by length so padding stays small.
+    """
+    device = next(model.parameters()).device
+    out = np.empty((len(rows), model.config.hidden_size), dtype=np.float32)
+    sleep_s = float(os.environ.get("RETROMAE_DS_TEST_ENCODE_SLEEP_S", 0))  # test hook
+    was_training = model.training
+    model.eval()
+    window = batch_size * 64
+    with (
+        torch.inference_mode(),
+        tqdm(total=len(rows), desc=desc, unit="text", disable=not progress) as bar,
+    ):
+        for w0 in range(0, len(rows), window):
+            chunk = rows[w0 : w0 + window]
+            order = np.argsort(-ds.get_batch(chunk).lengths, kind="stable")
+            for b0 in range(0, len(order), batch_size):
+                sel = order[b0 : b0 + batch_size]
+                ids, mask = ance_data.token_batch(ds, chunk[sel], special)
+                ids, mask = ids.to(device), mask.to(device)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+                emb = pool(hidden, mask, pooling).float()
+                if normalize:
+                    emb = torch.nn.functional.normalize(emb, dim=-1)
+                out[w0 + sel] = emb.cpu().numpy()
+                bar.update(len(sel))
+                if sleep_s:
+                    time.sleep(sleep_s)
+    model.train(was_training)
+    return out
+
+
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _split(n: int, parts: int, part: int) -> tuple[int, int]:
+    """Contiguous slice ``part`` of ``parts`` over ``range(n)``."""
+    return n * part // parts, n * (part + 1) // parts
+
+
+# --------------------------------------------------------------------------- distributed
+class _Group:
+    """Rank/world from the environment (torchrun, srun); a process group only with >1 rank."""
+
+    def __init__(self, timeout_s: int) -> None:
+        from retromae_ds import engine as eng
+
+        self.rank = eng._env_int("RANK", "SLURM_PROCID", default=0)
+        self.world = eng._env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+        self.local_rank = eng._env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+        if self.world > 1:
+            self.info = eng.setup_distributed(timeout_s)
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+
+# --------------------------------------------------------------------------- one refresh
+def _pick_device(cfg: RefreshConfig, local_rank: int) -> torch.device:
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    return device
+
+
+def refresh_once(
+    cfg: RefreshConfig,
+    ts: ance_data.TrainingSet,
+    checkpoint: Path,
+    version: int,
+    group: _Group,
+) -> dict[str, Any] | None:
+    """Mine and publish version ``version`` from ``checkpoint``; returns the manifest
+    (rank 0) or None. Every rank calls it."""
+    from retromae_ds.index import ExactIndex, merge_topk
+
+    root = Path(cfg.run_dir) / "negatives"
+    work = root / ".work" / f"v{version}"
+    step = ckpt.read_marker(checkpoint)["step"]
+    meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
+    if group.rank == 0:
+        if (work / "meta.json").is_file() and json.loads((work / "meta.json").read_text()) != meta:
+            shutil.rmtree(work)  # parts of another checkpoint: start over
+        for other in (root / ".work").glob("v*") if (root / ".work").is_dir() else []:
+            if other != work:
+                shutil.rmtree(other, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "meta.json").write_text(json.dumps(meta))
+    group.barrier()
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    device = _pick_device(cfg, group.local_rank)
+    encoder_dir = checkpoint / "encoder"
+    settings = load_settings(encoder_dir)
+    passage_model = load_body(encoder_dir).to(device)
+    query_dir = checkpoint / "query_encoder"
+    query_model = load_body(query_dir).to(device) if query_dir.is_dir() else passage_model
+    amp = torch.bfloat16 if device.type == "cuda" and cfg.bf16 else None
+    timings["load_s"] = time.perf_counter() - t0
+    common = dict(
+        pooling=settings["pooling"],
+        normalize=settings["normalize"],
+        batch_size=cfg.batch_size,
+        amp_dtype=amp,
+        progress=cfg.progress,
+    )
+    if group.rank == 0:
+        print(
+            f"refresh: v{version} from {checkpoint.name} (step {step}): encoding "
+            f"{ts.num_passages} passages on {group.world} rank(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    t0 = time.perf_counter()
+    lo, hi = _split(ts.num_passages, group.world, group.rank)
+    part_file = work / f"passages_rank{group.rank:05d}.npy"
+    if part_file.is_file():  # left complete by a refresher killed later in this version
+        passages = np.load(part_file)
+    else:
+        passages = encode_rows(
+            passage_model,
+            ts.corpus,
+            ts.passage_rows[lo:hi],
+            ts.special,
+            desc=f"passages r{group.rank}",
+            **common,
+        )
+        _save_npy(part_file, passages)
+    timings["encode_passages_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    qlo, qhi = _split(ts.num_queries, group.world, group.rank)
+    query_part = encode_rows(
+        query_model,
+        ts.queries,
+        ts.query_rows[qlo:qhi],
+        ts.special,
+        desc=f"queries r{group.rank}",
+        **common,
+    )
+    _save_npy(work / f"queries_rank{group.rank:05d}.npy", query_part)
+    group.barrier()
+    queries = np.concatenate(
+        [np.load(work / f"queries_rank{r:05d}.npy") for r in range(group.world)]
+    )
+    timings["encode_queries_s"] = time.perf_counter() - t0
+    del passage_model, query_model
+
+    t0 = time.perf_counter()
+    index = ExactIndex(passages.shape[1], backend=cfg.index)
+    index.add(passages)
+    timings["index_build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    k = min(cfg.top_k, max(1, hi - lo))
+    scores_parts, ids_parts = [], []
+    q_step = 4096
+    for s in tqdm(
+        range(0, len(queries), q_step),
+        desc=f"search r{group.rank}",
+        unit="batch",
+        disable=not cfg.progress,
+    ):
+        sc, ix = index.search(queries[s : s + q_step], k)
+        scores_parts.append(sc)
+        ids_parts.append(np.where(ix >= 0, ix + lo, -1))
+    scores = np.concatenate(scores_parts) if scores_parts else np.zeros((0, k), np.float32)
+    ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, k), np.int64)
+    del index, passages
+    np.savez(work / f".topk_rank{group.rank:05d}.npz", scores=scores, ids=ids)
+    os.replace(work / f".topk_rank{group.rank:05d}.npz", work / f"topk_rank{group.rank:05d}.npz")
+    timings["search_s"] = time.perf_counter() - t0
+    group.barrier()
+    manifest = None
+    if group.rank == 0:
+        t0 = time.perf_counter()
+        merged_scores, merged_ids = scores, ids
+        for r in range(1, group.world):
+            part = np.load(work / f"topk_rank{r:05d}.npz")
+            merged_scores, merged_ids = merge_topk(
+                merged_scores, merged_ids, part["scores"], part["ids"], cfg.top_k
+            )
+        negatives = mine(
+            merged_ids,
+            ts.positives,
+            cfg.num_negatives,
+            strategy=cfg.strategy,
+            skip_top=cfg.skip_top,
+            seed=cfg.seed + version,
+            num_passages=ts.num_passages,
+        )
+        timings["mine_s"] = time.perf_counter() - t0
+        timings["passages_per_s"] = ts.num_passages / max(timings["encode_passages_s"], 1e-9)
+        rounded = {k: round(v, 3) for k, v in timings.items()}
+        handoff.publish(
+            root,
+            version,
+            negatives,
+            step=step,
+            meta={
+                "source": "model",
+                "checkpoint": checkpoint.name,
+                "data": ts.fingerprint(),
+                "settings": _mining_settings(cfg),
+                "ranks": group.world,
+                "timings": rounded,
+            },
+            keep_last=cfg.keep_last,
+        )
+        manifest = json.loads(handoff.manifest_file(root, version).read_text())
+        with open(Path(cfg.run_dir) / "refresh_metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"version": version, "step": step, **rounded}) + "\n")
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"refresh: published v{version} (step {step}) {rounded}", file=sys.stderr, flush=True)
+    group.barrier()
+    return manifest
+
+
+def _mining_settings(cfg: RefreshConfig) -> dict[str, Any]:
+    return {
+        "top_k": cfg.top_k,
+        "num_negatives": cfg.num_negatives,
+        "strategy": cfg.strategy,
+        "skip_top": cfg.skip_top,
+    }
+
+
+def publish_bm25(cfg: RefreshConfig, ts: ance_data.TrainingSet) -> dict[str, Any]:
+    """Version 0 (or the next free one): BM25 top-K, positives removed, n sampled."""
+    from retromae_ds.eval.beir import load_corpus, load_queries
+
+    settings = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
+    t0 = time.perf_counter()
+    doc_ids, texts = load_corpus(Path(settings["beir"]) / "corpus.jsonl")
+    text_of = dict(zip(doc_ids, texts, strict=True))
+    queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
+    from retromae_ds.ance.mining import bm25_rankings
+
+    ranked = bm25_rankings(
+        [text_of[d] for d in ts.passage_ids],
+        [queries[q] for q in ts.query_ids],
+        cfg.top_k,
+        progress=cfg.progress,
+    )
+    negatives = mine(
+        ranked,
+        ts.positives,
+        cfg.num_negatives,
+        strategy=cfg.strategy,
+        skip_top=cfg.skip_top,
+        seed=cfg.seed,
+        num_passages=ts.num_passages,
+    )
+    root = Path(cfg.run_dir) / "negatives"
+    version = handoff.next_version(root)
+    handoff.publish(
+        root,
+        version,
+        negatives,
+        step=0,
+        meta={
+            "source": "bm25",
+            "data": ts.fingerprint(),
+            "settings": _mining_settings(cfg),
+            "timings": {"bm25_s": round(time.perf_counter() - t0, 3)},
+        },
+        keep_last=cfg.keep_last,
+    )
+    return json.loads(handoff.manifest_file(root, version).read_text())
+
+
+# --------------------------------------------------------------------------- the loop
+def run_refresher(cfg: RefreshConfig) -> int:
+    """Refresh until told to stop (see the module docstring); returns versions published."""
+    if not cfg.run_dir:
+        raise ValueError("refresh: --run_dir is required")
+    started = time.time()
+    group = _Group(cfg.timeout_s)
+    run_dir = Path(cfg.run_dir)
+    data_dir = Path(cfg.data_dir or run_dir / "data")
+    root = run_dir / "negatives"
+    published = 0
+    last_new = time.monotonic()
+    ts = None
+    while True:
+        action: dict[str, Any] = {"do": "wait"}
+        if group.rank == 0:
+            action = _next_action(cfg, run_dir, data_dir, root, started, last_new)
+        action = group.broadcast(action)
+        if action["do"] == "stop":
+            if group.rank == 0:
+                print(f"refresh: stopping ({action['why']})", file=sys.stderr, flush=True)
+            return published
+        if action["do"] == "wait":
+            time.sleep(cfg.poll_s)
+            continue
+        if ts is None:
+            ts = ance_data.load(data_dir)
+        try:
+            refresh_once(cfg, ts, Path(action["checkpoint"]), action["version"], group)
+        except (FileNotFoundError, OSError) as exc:
+            if group.world > 1:
+                raise
+            # the trainer pruned the checkpoint while it was being read: take the next one
+            print(f"refresh: skipped {action['checkpoint']}: {exc}", file=sys.stderr, flush=True)
+            continue
+        published += 1
+        last_new = time.monotonic()
+        if cfg.max_versions and published >= cfg.max_versions:
+            if group.rank == 0:
+                print(f"refresh: stopping (max_versions {cfg.max_versions})", file=sys.stderr)
+            return published
+
+
+def _next_action(
+    cfg: RefreshConfig, run_dir: Path, data_dir: Path, root: Path, started: float, last_new: float
+) -> dict[str, Any]:
+    finished = run_dir / FINISHED
+    done = finished.is_file() and finished.stat().st_mtime >= started - 1
+    if cfg.idle_timeout_s and time.monotonic() - last_new > cfg.idle_timeout_s:
+        return {"do": "stop", "why": f"no new checkpoint for {cfg.idle_timeout_s:.0f} s"}
+    pointer = handoff.read_pointer(root)
+    if not (data_dir / ance_data.READY).is_file() or pointer is None:
+        # the trainer prepares the data and publishes the BM25 version first
+        return {"do": "stop", "why": "the trainer finished"} if done else {"do": "wait"}
+    newest = ckpt.latest_complete(run_dir / "checkpoints")
+    if newest is not None and ckpt.read_marker(newest)["step"] >= pointer["step"] + max(
+        1, cfg.min_new_steps
+    ):
+        return {"do": "refresh", "checkpoint": str(newest), "version": handoff.next_version(root)}
+    if done:
+        return {"do": "stop", "why": "the trainer finished"}
+    return {"do": "wait"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from retromae_ds.config import build_config
+
+    parser = argparse.ArgumentParser(
+        prog="retromae-ds refresh", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--config", default=None, help="YAML or JSON refresher config")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = build_config(RefreshConfig, args.config, overrides)
+    run_refresher(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

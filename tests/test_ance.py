@@ -1,0 +1,440 @@
+"""ANCE pieces: mining never returns a positive, the negatives hand-off under a concurrent
+reader, gathered in-batch negatives against a single-process big batch (two gloo ranks), and
+the refresher killed mid-encode and restarted. Helpers here are shared with test_finetune."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retromae_ds.ance import data as ance_data
+from retromae_ds.ance import handoff
+from retromae_ds.ance.mining import mine
+
+from synthetic import synthetic_texts
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {
+    **os.environ,
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+# --------------------------------------------------------------------------- helpers
+def write_synthetic_beir(folder: Path, num_docs: int = 80, num_queries: int = 24) -> Path:
+    """Documents from the synthetic generator (some empty); query i has positives d{3i} and
+    d{3i+1} (relevance 2 and 1), a judged non-relevant d{3i+2} (relevance 0), and its text is
+    taken from its first positive, so BM25 ranks the positives high."""
+    (folder / "qrels").mkdir(parents=True)
+    texts = synthetic_texts(num_docs, seed=5, max_words=30)
+    with open(folder / "corpus.jsonl", "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n")
+    lines = ["query-id\tcorpus-id\tscore"]
+    with open(folder / "queries.jsonl", "w") as f:
+        for q in range(num_queries):
+            words = (texts[3 * q] or texts[3 * q + 1] or "retrieval").split()[:6]
+            f.write(json.dumps({"_id": f"q{q}", "text": " ".join(words)}) + "\n")
+            lines += [f"q{q}\td{3 * q}\t2", f"q{q}\td{3 * q + 1}\t1", f"q{q}\td{3 * q + 2}\t0"]
+    (folder / "qrels" / "train.tsv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def write_tiny_encoder(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer BERT (no dropout) with the test tokenizer."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=tok.pad_token_id,
+    )
+    BertModel(config).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def prepared_set(root: Path, beir: Path, tokenizer_dir: Path) -> Path:
+    return ance_data.prepare(
+        beir, "train", tokenizer_dir, root, q_max_len=16, p_max_len=32, progress=False
+    )
+
+
+def fake_checkpoint(run_dir: Path, step: int, encoder_dir: Path) -> Path:
+    """A complete trainer checkpoint as the refresher sees one: marker + encoder folder."""
+    import shutil
+
+    from retromae_ds import checkpoint as ckpt
+
+    folder = run_dir / "checkpoints" / ckpt.tag_for(step)
+    shutil.copytree(encoder_dir, folder / "encoder")
+    (folder / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
+    return folder
+
+
+# --------------------------------------------------------------------------- mining
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_passages=st.integers(2, 40),
+    n=st.integers(1, 6),
+    strategy=st.sampled_from(["random", "top"]),
+    skip_top=st.integers(0, 5),
+)
+def test_mined_negatives_never_contain_a_positive(data, num_passages, n, strategy, skip_top):
+    queries = data.draw(st.integers(1, 6))
+    positives = [
+        np.asarray(
+            sorted(data.draw(st.sets(st.integers(0, num_passages - 1), min_size=1, max_size=5)))
+        )
+        for _ in range(queries)
+    ]
+    positives = [p[: num_passages - 1] for p in positives]  # at least one non-positive exists
+    k = data.draw(st.integers(1, 50))
+    ranked = np.asarray(
+        [
+            data.draw(st.lists(st.integers(-1, num_passages - 1), min_size=k, max_size=k))
+            for _ in range(queries)
+        ]
+    )
+    out = mine(
+        ranked,
+        positives,
+        n,
+        strategy=strategy,
+        skip_top=skip_top,
+        seed=3,
+        num_passages=num_passages,
+    )
+    for q, neg in enumerate(out):
+        assert len(neg) == n and neg.dtype == np.int32
+        assert not set(neg.tolist()) & set(positives[q].tolist())
+        assert ((neg >= 0) & (neg < num_passages)).all()
+        non_positive = num_passages - len(positives[q])
+        if non_positive >= n:
+            assert len(set(neg.tolist())) == n  # distinct whenever the corpus allows
+    if strategy == "top" and skip_top == 0:
+        # the best-ranked non-positive comes first
+        for q, neg in enumerate(out):
+            first = next((r for r in ranked[q] if r >= 0 and r not in positives[q]), None)
+            if first is not None:
+                assert neg[0] == first
+
+
+def test_top_strategy_skips_the_first_non_positives():
+    ranked = np.array([[5, 0, 6, 7, 1, 8, 9]])
+    got = mine(ranked, [np.array([0, 1])], 2, strategy="top", skip_top=1, num_passages=10)
+    assert got[0].tolist() == [6, 7]
+
+
+def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
+    from retromae_ds.ance.refresher import RefreshConfig, publish_bm25
+
+    beir = write_synthetic_beir(tmp_path / "beir")
+    ts = ance_data.load(prepared_set(tmp_path / "data", beir, tokenizer_dir))
+    # empty documents get no passage; queries whose positives are all empty are left out
+    assert ts.num_passages < 80 and all(len(p) >= 1 for p in ts.positives)
+    assert max(len(p) for p in ts.positives) == 2  # relevance 0 is not a positive
+    manifest = publish_bm25(
+        RefreshConfig(run_dir=str(tmp_path / "run"), num_negatives=4, progress=False), ts
+    )
+    assert manifest["version"] == 0 and manifest["step"] == 0 and manifest["source"] == "bm25"
+    neg = handoff.load_current(tmp_path / "run" / "negatives")
+    assert neg.num_queries == ts.num_queries
+    for q in range(ts.num_queries):
+        assert len(neg.of(q)) == 4
+        assert not set(neg.of(q).tolist()) & set(ts.positives[q].tolist())
+    # BM25 ranks a positive first for most queries (their text comes from it): the exclusion
+    # is exercised, not vacuous
+    from retromae_ds.ance.mining import bm25_rankings
+    from retromae_ds.eval.beir import load_corpus, load_queries
+
+    ids, texts = load_corpus(beir / "corpus.jsonl")
+    text_of = dict(zip(ids, texts, strict=True))
+    queries = load_queries(beir / "queries.jsonl")
+    ranked = bm25_rankings(
+        [text_of[d] for d in ts.passage_ids], [queries[q] for q in ts.query_ids], 5, progress=False
+    )
+    top_is_positive = [ranked[q, 0] in ts.positives[q] for q in range(ts.num_queries)]
+    assert sum(top_is_positive) > ts.num_queries // 2
+
+
+# --------------------------------------------------------------------------- hand-off
+def _content(version: int, num_queries: int) -> list[np.ndarray]:
+    return [
+        np.arange(q, q + 1 + (version + q) % 5, dtype=np.int32) + 100 * version
+        for q in range(num_queries)
+    ]
+
+
+def _writer(root: str, versions: int, delay: float) -> None:
+    for v in range(versions):
+        handoff.publish(Path(root), v, _content(v, 50), step=10 * v, keep_last=3)
+        time.sleep(delay)
+
+
+def _reader(root: str, deadline: float, out) -> None:
+    seen, checked = [], 0
+    while time.monotonic() < deadline:
+        neg = handoff.load_current(Path(root))
+        if neg is None:
+            continue
+        expected = _content(neg.version, 50)
+        assert neg.num_queries == 50 and neg.step == 10 * neg.version
+        for q in range(50):
+            assert neg.of(q).tolist() == expected[q].tolist(), (neg.version, q)
+        seen.append(neg.version)
+        checked += 1
+    out.put((seen, checked))
+
+
+def test_handoff_is_atomic_under_a_concurrent_reader(tmp_path):
+    root = tmp_path / "negatives"
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    versions = 40
+    reader = ctx.Process(target=_reader, args=(str(root), time.monotonic() + 6.0, results))
+    reader.start()
+    writer = ctx.Process(target=_writer, args=(str(root), versions, 0.02))
+    writer.start()
+    writer.join(timeout=60)
+    reader.join(timeout=60)
+    assert writer.exitcode == 0 and reader.exitcode == 0, "a reader saw a partial or wrong version"
+    seen, checked = results.get(timeout=5)
+    assert checked > 50 and len(set(seen)) > 3, (checked, sorted(set(seen)))
+    assert seen == sorted(seen)  # never goes back to an older version
+    assert handoff.published_versions(root) == [versions - 3, versions - 2, versions - 1]
+    assert not list(root.glob(".*tmp"))
+
+
+def test_killed_writer_leaves_the_previous_version_and_numbering_continues(tmp_path):
+    root = tmp_path / "negatives"
+    handoff.publish(root, 0, _content(0, 5), step=0)
+    # a writer killed after writing the data file (no manifest, pointer untouched) and one
+    # killed mid-write (hidden temporary file)
+    (root / "v1.arrow").write_bytes(b"half a file")
+    (root / ".v1.arrow.abc.tmp").write_bytes(b"partial")
+    assert handoff.load_current(root).version == 0
+    assert handoff.next_version(root) == 1
+    handoff.publish(root, 1, _content(1, 5), step=7)
+    neg = handoff.load_current(root)
+    assert (neg.version, neg.step, neg.of(2).tolist()) == (1, 7, _content(1, 5)[2].tolist())
+    assert not list(root.glob(".*tmp"))
+    with pytest.raises(FileExistsError):
+        handoff.publish(root, 1, _content(1, 5), step=7)
+
+
+def test_reader_rejects_a_corrupted_version(tmp_path):
+    root = tmp_path / "negatives"
+    handoff.publish(root, 0, _content(0, 5), step=0)
+    path = handoff.data_file(root, 0)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        handoff.load_current(root)
+
+
+# --------------------------------------------------------------------------- gather
+def _tiny_dual_encoder(seed: int):
+    from transformers import BertConfig, BertModel
+
+    from retromae_ds.ance.model import DualEncoder
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return DualEncoder(BertModel(config, add_pooling_layer=False), temperature=0.5)
+
+
+def _global_batch(world: int, per_rank: int, group: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    b, p = world * per_rank, world * per_rank * group
+    p_index = torch.randint(0, 1000, (p,), generator=g)
+    p_index[group] = p_index[-group]  # the same passage on both ranks
+    positives = torch.full((b, 2), -1, dtype=torch.int64)
+    positives[:, 0] = p_index[::group]
+    positives[0, 1] = p_index[-1]  # query 0 has a second positive, held by rank 1
+    return {
+        "q_ids": torch.randint(1, 50, (b, 6), generator=g),
+        "q_mask": torch.ones(b, 6, dtype=torch.int64),
+        "p_ids": torch.randint(1, 50, (p, 9), generator=g),
+        "p_mask": (torch.arange(9) < torch.randint(3, 10, (p, 1), generator=g)).long(),
+        "p_index": p_index,
+        "positives": positives,
+    }
+
+
+def _gather_rank(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    per_rank, group = 3, 3
+    full = _global_batch(world, per_rank, group)
+    qs, ps = (
+        slice(rank * per_rank, (rank + 1) * per_rank),
+        slice(rank * per_rank * group, (rank + 1) * per_rank * group),
+    )
+    local = {k: (v[ps] if k.startswith("p_") else v[qs]) for k, v in full.items()}
+    model = _tiny_dual_encoder(0)
+    loss = model(local)["loss"]
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(grads)  # what DeepSpeed does: average the ranks' gradients
+    grads /= world
+    losses = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(losses, loss.detach())
+    if rank == 0:
+        out.put((grads.numpy(), float(torch.stack(losses).mean())))
+    dist.destroy_process_group()
+
+
+def test_gathered_in_batch_negatives_match_a_single_process_big_batch():
+    world = 2
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_gather_rank, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    dist_grads, dist_loss = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    model = _tiny_dual_encoder(0)
+    loss = model(_global_batch(world, 3, 3))["loss"]
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).numpy()
+    assert dist_loss == pytest.approx(float(loss.detach()), rel=1e-5)
+    np.testing.assert_allclose(dist_grads, grads, rtol=1e-4, atol=1e-6)
+    # without the gradient through the gather the ranks' update would differ: make sure the
+    # passages of the other rank matter for this batch
+    assert np.abs(grads).max() > 0
+
+
+# --------------------------------------------------------------------------- refresher
+def _refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "retromae_ds.ance.refresher",
+        "--run_dir",
+        str(run_dir),
+        "--num_negatives",
+        "3",
+        "--top_k",
+        "20",
+        "--batch_size",
+        "4",
+        "--poll_s",
+        "0.2",
+        "--progress",
+        "false",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
+    from retromae_ds.ance.refresher import RefreshConfig, publish_bm25
+
+    run = tmp_path / "run"
+    beir = write_synthetic_beir(tmp_path / "beir")
+    ts = ance_data.load(prepared_set(run / "data", beir, tokenizer_dir))
+    publish_bm25(RefreshConfig(run_dir=str(run), num_negatives=3, progress=False), ts)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    fake_checkpoint(run, 5, encoder)
+    root = run / "negatives"
+
+    proc = subprocess.Popen(
+        _refresh_cmd(run, "--max_versions", "1"),
+        env={**ENV, "RETROMAE_DS_TEST_ENCODE_SLEEP_S": "0.1"},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stderr:  # wait until it is encoding
+            if "encoding" in line or time.monotonic() > deadline:
+                break
+        time.sleep(1.0)
+        assert proc.poll() is None, "the refresher finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert handoff.published_versions(root) == [0]
+    assert handoff.read_pointer(root)["version"] == 0
+    assert (root / ".work" / "v1").is_dir()  # its scratch is hidden, not a version
+
+    done = subprocess.run(
+        _refresh_cmd(run, "--max_versions", "1"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    neg = handoff.load_current(root)
+    assert (neg.version, neg.step, neg.manifest["source"]) == (1, 5, "model")
+    assert neg.manifest["data"] == ts.fingerprint()
+    for q in range(ts.num_queries):
+        assert len(neg.of(q)) == 3 and not set(neg.of(q).tolist()) & set(ts.positives[q].tolist())
+    assert not (root / ".work" / "v1").exists()
+    metrics = [json.loads(x) for x in (run / "refresh_metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["version"] == 1 and metrics[-1]["passages_per_s"] > 0
+
+    # a newer checkpoint: the next run continues at v2, and stops by itself when the trainer
+    # says it finished
+    fake_checkpoint(run, 9, encoder)
+    proc = subprocess.Popen(_refresh_cmd(run), env=ENV, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while handoff.read_pointer(root)["version"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (run / "FINISHED").write_text("{}")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    neg = handoff.load_current(root)
+    assert (neg.version, neg.step) == (2, 9)
+    assert handoff.published_versions(root) == [0, 1, 2]
