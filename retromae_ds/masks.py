@@ -111,6 +111,16 @@ def keep_int32(h: torch.Tensor, ratio: float) -> torch.Tensor:
     return (h ^ -(2**31)) >= cut - 2**31
 
 
+def two_stream_tables(
+    word_ids_BL: torch.Tensor, seeds_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The O(B·L) int32 tables the two-stream rule reads: (row hash prefix, word ids)."""
+    L = word_ids_BL.shape[1]
+    row = _as_int32_bits(two_stream_row_hash(seeds_B, L))
+    words = _as_int32_bits(word_ids_BL.long().clamp_min(0) & MASK32)
+    return row, words
+
+
 def two_stream_visible_rows(
     word_ids_BL: torch.Tensor,
     lengths_B: torch.Tensor,
@@ -118,17 +128,18 @@ def two_stream_visible_rows(
     ratio: float,
     start: int,
     stop: int,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Visibility of query rows ``start:stop`` against all L keys: B×(stop-start)×L bool.
 
     Computes ``hash3(seed_b, i, word_b[j])`` as ``mix32(row_hash[b, i] ^ word_b[j])`` with
-    the int32 form of the last mix: one int32 and one bool temporary of B×c×L.
+    the int32 form of the last mix: one int32 and one bool temporary of B×c×L. ``tables``
+    (from :func:`two_stream_tables`) saves recomputing the O(B·L) inputs for every chunk.
     """
     B, L = word_ids_BL.shape
     device = word_ids_BL.device
-    row = _as_int32_bits(two_stream_row_hash(seeds_B, L)[:, start:stop]).view(B, -1, 1)
-    words = _as_int32_bits(word_ids_BL.long().clamp_min(0) & MASK32).view(B, 1, L)
-    h = row ^ words
+    row, words = tables if tables is not None else two_stream_tables(word_ids_BL, seeds_B)
+    h = row[:, start:stop].view(B, -1, 1) ^ words.view(B, 1, L)
     visible = keep_int32(mix32_int32_(h), ratio)
     del h
     i = torch.arange(start, stop, device=device).view(1, -1, 1)

@@ -17,7 +17,7 @@ import torch
 
 from retromae_ds.attention.specs import MaskSpec
 
-CHUNK_BUDGET_BYTES = 4 * 2**20
+CHUNK_BUDGET_BYTES = 16 * 2**20
 """Target size of one chunk's float32 score tensor (B×H×c×L)."""
 MAX_CHUNK_ROWS = 128
 """At most this many query rows at a time: beyond 128 tokens no tensor spans all L rows."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retromae_ds.masks import two_stream_visible_rows, window_visible_rows
+from retromae_ds.masks import two_stream_tables, two_stream_visible_rows, window_visible_rows
 
 
 @dataclass
@@ -40,8 +40,11 @@ class TwoStreamSpec(MaskSpec):
             raise ValueError(
                 f"spec covers {self.word_ids_BL.shape[1]} positions, attention has {L}"
             )
+        tables = self.__dict__.get("_tables")
+        if tables is None:  # computed once per spec (per batch), shared by chunks and layers
+            tables = self.__dict__["_tables"] = two_stream_tables(self.word_ids_BL, self.seeds_B)
         return two_stream_visible_rows(
-            self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio, start, stop
+            self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio, start, stop, tables
         )
 
 
