@@ -203,11 +203,20 @@ def _load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> hand
     return neg
 
 
-def _start_local_refresher(cfg: FinetuneConfig, run_dir: Path) -> subprocess.Popen:
-    """``retromae-ds refresh`` as one plain process beside rank 0, with its own log."""
+REFRESH_CONFIG = "refresh_config.json"
+
+
+def _write_refresh_config(cfg: FinetuneConfig, run_dir: Path) -> Path:
+    """The refresher's settings (the ``refresh`` section) for any refresher of this run: the
+    local subprocess, or a Slurm job step that waits for this file (slurm/finetune.sh)."""
     refresh = {**to_dict(cfg.refresh), "run_dir": str(run_dir), "device": cfg.refresher_device}
-    cfg_file = run_dir / "refresh_config.json"
+    cfg_file = run_dir / REFRESH_CONFIG
     atomic_write_text(cfg_file, json.dumps(refresh, indent=2))
+    return cfg_file
+
+
+def _start_local_refresher(cfg_file: Path, run_dir: Path) -> subprocess.Popen:
+    """``retromae-ds refresh`` as one plain process beside rank 0, with its own log."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -336,7 +345,11 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
             f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
             f"negatives v{version}" + (f", resumed at step {step}" if resume_from else "")
         )
-    refresher = _start_local_refresher(cfg, run_dir) if cfg.refresher == "local" else None
+    refresher = None
+    if dist.rank == 0:
+        refresh_file = _write_refresh_config(cfg, run_dir)
+        if cfg.refresher == "local":
+            refresher = _start_local_refresher(refresh_file, run_dir)
 
     def save(at_step: int) -> None:
         tag = ckpt.tag_for(at_step)

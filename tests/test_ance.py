@@ -438,3 +438,37 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     neg = handoff.load_current(root)
     assert (neg.version, neg.step) == (2, 9)
     assert handoff.published_versions(root) == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path, tokenizer_dir):
+    import shutil
+
+    from retromae_ds.ance.refresher import RefreshConfig, publish_bm25
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    beir = write_synthetic_beir(tmp_path / "beir")
+    ts = ance_data.load(prepared_set(one / "data", beir, tokenizer_dir))
+    publish_bm25(RefreshConfig(run_dir=str(one), num_negatives=3, progress=False), ts)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir, seed=3)
+    fake_checkpoint(one, 4, encoder)
+    shutil.copytree(one, two)
+    strategy = ("--strategy", "top", "--max_versions", "1")
+    single = subprocess.run(
+        _refresh_cmd(one, *strategy), env=ENV, capture_output=True, text=True, timeout=180
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    cmd = _refresh_cmd(two, *strategy)
+    cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", cmd[2]]
+    double = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
+    assert double.returncode == 0, double.stderr[-3000:]
+    a, b = handoff.load_current(one / "negatives"), handoff.load_current(two / "negatives")
+    assert (a.version, b.version, b.step) == (1, 1, 4)
+    assert (a.manifest["ranks"], b.manifest["ranks"]) == (1, 2)
+    # the same passages mined whether one rank searched everything or two ranks searched
+    # their halves and merged (the random tiny encoder makes exact ties, e.g. between equal
+    # texts, which the two orders break differently: compare sets, allow a little)
+    overlap = sum(len(set(a.of(q).tolist()) & set(b.of(q).tolist())) for q in range(ts.num_queries))
+    assert overlap >= 0.9 * 3 * ts.num_queries, (overlap, 3 * ts.num_queries)
+    for q in range(ts.num_queries):
+        assert not set(b.of(q).tolist()) & set(ts.positives[q].tolist())

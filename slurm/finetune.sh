@@ -1,0 +1,201 @@
+#!/bin/bash
+# slurm/finetune.sh - ANCE fine-tuning on Slurm: the trainer and the hard-negative refresher
+# as two concurrent job steps of one allocation, with a configurable split of nodes / tasks
+# (one task per GPU, or per CPU slot in CPU mode). See docs/ance.md.
+#
+# Submit it yourself:
+#   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 --cpus-per-task=8 --time=24:00:00 \
+#       --output=runs/ft/slurm-%j.out slurm/finetune.sh --config ft.yaml --run-dir runs/ft \
+#       --refresher-tasks 2
+# or let it submit itself:
+#   slurm/finetune.sh --nodes 2 --gpus-per-node 8 --refresher-nodes 1 --config ft.yaml --run-dir runs/ft
+#
+# Split (each also read from the environment variable in brackets):
+#   --refresher-nodes R   the last R nodes run the refresher, the others the trainer
+#                         (REFRESHER_NODES, default 0: both share every node)
+#   --refresher-tasks T   with R = 0: T of the allocation's tasks (GPUs) go to the refresher,
+#                         the rest to the trainer (REFRESHER_TASKS, default 1); with R > 0 the
+#                         refresher gets every task of its R nodes
+# Other options:
+#   --config FILE         fine-tuning config, YAML/JSON (CONFIG); its `refresh` section
+#                         configures the refresher (the trainer writes RUN/refresh_config.json,
+#                         which the refresher step waits for)
+#   --run-dir DIR         run folder (RUN_DIR; required)
+#   --cpus-per-task C     CPUs per task (CPUS_PER_TASK; default the job's, else 1)
+#   --max-requeues K      (MAX_REQUEUES, default 50)
+#   submission only: --nodes N, --gpus-per-node G (0 = CPU mode), --tasks-per-node T,
+#   --time T, --signal-lead S, --wait (as slurm/pretrain.sh)
+#   -- ARGS...            passed to the trainer (--section.field value overrides)
+#
+# Steps: both are `srun --exact` steps (each holds only its own tasks' CPUs and GPUs). The
+# refresher has its own rendezvous (its first node, MASTER_PORT + 1). When the trainer step
+# ends, the refresher gets a minute to notice RUN/FINISHED, then its step is ended; a refresher
+# killed at any point leaves no visible partial negatives version. If the refresher dies, the
+# trainer goes on with the last published negatives.
+# Stop and requeue as in slurm/pretrain.sh: USR1 (time-limit warning, preemption) goes to the
+# trainer, which checkpoints and exits 85; this script requeues the job, and the requeued job
+# resumes both steps (trainer from its checkpoint, refresher at the next version).
+#
+#SBATCH --job-name=retromae-finetune
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
+set -uo pipefail
+
+EXIT_REQUEUE=85 # retromae_ds.train.EXIT_REQUEUE
+
+CONFIG=${CONFIG:-}
+RUN_DIR=${RUN_DIR:-}
+REFRESHER_NODES=${REFRESHER_NODES:-0}
+REFRESHER_TASKS=${REFRESHER_TASKS:-1}
+CPUS_PER_TASK=${CPUS_PER_TASK:-}
+MAX_REQUEUES=${MAX_REQUEUES:-50}
+NODES=${NODES:-1}
+GPUS_PER_NODE=${GPUS_PER_NODE:-0}
+TASKS_PER_NODE=${TASKS_PER_NODE:-}
+TIME=${TIME:-24:00:00}
+SIGNAL_LEAD=${SIGNAL_LEAD:-300}
+WAIT=""
+TRAIN_ARGS=()
+
+die() {
+  echo "finetune.sh: $*" >&2
+  exit 2
+}
+while [ $# -gt 0 ]; do
+  case "$1" in
+  --config) CONFIG=$2; shift 2 ;;
+  --run-dir) RUN_DIR=$2; shift 2 ;;
+  --refresher-nodes) REFRESHER_NODES=$2; shift 2 ;;
+  --refresher-tasks) REFRESHER_TASKS=$2; shift 2 ;;
+  --cpus-per-task) CPUS_PER_TASK=$2; shift 2 ;;
+  --max-requeues) MAX_REQUEUES=$2; shift 2 ;;
+  --nodes) NODES=$2; shift 2 ;;
+  --gpus-per-node) GPUS_PER_NODE=$2; shift 2 ;;
+  --tasks-per-node) TASKS_PER_NODE=$2; shift 2 ;;
+  --time) TIME=$2; shift 2 ;;
+  --signal-lead) SIGNAL_LEAD=$2; shift 2 ;;
+  --wait) WAIT=1; shift ;;
+  --) shift; TRAIN_ARGS=("$@"); break ;;
+  *) die "unknown option $1 (trainer overrides go after --)" ;;
+  esac
+done
+[ -n "$RUN_DIR" ] || die "--run-dir (or RUN_DIR) is required"
+[ -z "$CONFIG" ] || [ -f "$CONFIG" ] || die "config file $CONFIG not found"
+
+pass_args=(--run-dir "$RUN_DIR" --max-requeues "$MAX_REQUEUES"
+  --refresher-nodes "$REFRESHER_NODES" --refresher-tasks "$REFRESHER_TASKS")
+[ -n "$CONFIG" ] && pass_args+=(--config "$CONFIG")
+[ -n "$CPUS_PER_TASK" ] && pass_args+=(--cpus-per-task "$CPUS_PER_TASK")
+
+# ---- outside a job: submit this script with the requested allocation -----------------------
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+  if [ "$GPUS_PER_NODE" -gt 0 ]; then TASKS_PER_NODE=$GPUS_PER_NODE; fi
+  mkdir -p "$RUN_DIR/logs"
+  sbatch_args=(
+    --nodes="$NODES" --ntasks-per-node="${TASKS_PER_NODE:-2}"
+    --cpus-per-task="${CPUS_PER_TASK:-1}" --time="$TIME"
+    --signal="B:USR1@$SIGNAL_LEAD" --requeue --open-mode=append
+    --output="$RUN_DIR/logs/slurm-%j.out"
+  )
+  [ "$GPUS_PER_NODE" -gt 0 ] && sbatch_args+=(--gpus-per-node="$GPUS_PER_NODE")
+  [ -n "$WAIT" ] && sbatch_args+=(--wait)
+  exec sbatch "${sbatch_args[@]}" "$0" "${pass_args[@]}" -- "${TRAIN_ARGS[@]}"
+fi
+
+# ---- inside the job ----------------------------------------------------------------------------
+TRAIN_PID=""
+REFRESH_PID=""
+on_signal() { # only forward: the trainer decides at its next step boundary
+  echo "finetune.sh: $(date +%T) got SIG$1: asking the trainer to checkpoint and stop"
+  [ -n "$TRAIN_PID" ] && kill -USR1 "$TRAIN_PID" 2>/dev/null
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+restart=${SLURM_RESTART_COUNT:-0}
+LOG_DIR="$RUN_DIR/logs/job$SLURM_JOB_ID.$restart"
+mkdir -p "$LOG_DIR"
+mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+NNODES=${#HOSTS[@]}
+NTASKS=${SLURM_NTASKS:-$NNODES}
+TASKS_PER_NODE=$((NTASKS / NNODES))
+CPUS_PER_TASK=${CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-1}}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
+export TOKENIZERS_PARALLELISM=false
+GPU_ARGS=()
+if [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
+  GPU_ARGS=(--gpus-per-task=1)
+elif [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} # CPU mode: gloo, DeepSpeed's CPU accelerator
+fi
+
+if [ "$REFRESHER_NODES" -gt 0 ]; then
+  [ "$REFRESHER_NODES" -lt "$NNODES" ] || die "--refresher-nodes $REFRESHER_NODES leaves no node for the trainer"
+  TRAIN_HOSTS=("${HOSTS[@]:0:NNODES-REFRESHER_NODES}")
+  REFRESH_HOSTS=("${HOSTS[@]:NNODES-REFRESHER_NODES}")
+  TRAIN_TASKS=$((${#TRAIN_HOSTS[@]} * TASKS_PER_NODE))
+  REFRESH_TASKS=$((REFRESHER_NODES * TASKS_PER_NODE))
+else
+  TRAIN_HOSTS=("${HOSTS[@]}")
+  REFRESH_HOSTS=("${HOSTS[@]}")
+  [ "$REFRESHER_TASKS" -lt "$NTASKS" ] || die "--refresher-tasks $REFRESHER_TASKS leaves no task for the trainer"
+  TRAIN_TASKS=$((NTASKS - REFRESHER_TASKS))
+  REFRESH_TASKS=$REFRESHER_TASKS
+fi
+join() { local IFS=,; echo "$*"; }
+MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
+trainer=(--run_dir "$RUN_DIR" --resume auto)
+[ -n "$CONFIG" ] && trainer=(--config "$CONFIG" "${trainer[@]}")
+trainer+=("${TRAIN_ARGS[@]}")
+echo "finetune.sh: $(date +%T) job $SLURM_JOB_ID restart $restart: trainer $TRAIN_TASKS task(s) on" \
+  "$(join "${TRAIN_HOSTS[@]}"), refresher $REFRESH_TASKS task(s) on $(join "${REFRESH_HOSTS[@]}"), logs $LOG_DIR"
+
+# a previous job's marker must not stop this job's refresher before the trainer removes it
+rm -f "$RUN_DIR/FINISHED"
+
+# the trainer: one task per rank
+MASTER_ADDR=${TRAIN_HOSTS[0]} MASTER_PORT=$MASTER_PORT \
+  srun --exact --nodes="${#TRAIN_HOSTS[@]}" --nodelist="$(join "${TRAIN_HOSTS[@]}")" \
+  --ntasks="$TRAIN_TASKS" --cpus-per-task="$CPUS_PER_TASK" "${GPU_ARGS[@]}" \
+  --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/trainer_%t.log" \
+  bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
+    exec "$0" "$@"' "${PYTHON:-python}" -m retromae_ds.finetune "${trainer[@]}" &
+TRAIN_PID=$!
+
+# the refresher: waits for the trainer's refresh_config.json (its `refresh` section); USR1
+# is not for it (it holds no state worth a checkpoint)
+MASTER_ADDR=${REFRESH_HOSTS[0]} MASTER_PORT=$((MASTER_PORT + 1)) \
+  srun --exact --nodes="${#REFRESH_HOSTS[@]}" --nodelist="$(join "${REFRESH_HOSTS[@]}")" \
+  --ntasks="$REFRESH_TASKS" --cpus-per-task="$CPUS_PER_TASK" "${GPU_ARGS[@]}" \
+  --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/refresher_%t.log" \
+  bash -c 'trap "" USR1; export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
+    while [ ! -f "$1/refresh_config.json" ]; do sleep 5; done
+    exec "$0" -m retromae_ds.ance.refresher --config "$1/refresh_config.json"' \
+  "${PYTHON:-python}" "$RUN_DIR" &
+REFRESH_PID=$!
+
+# a trapped signal interrupts `wait`; wait again until the trainer's srun has really ended
+while kill -0 "$TRAIN_PID" 2>/dev/null; do wait "$TRAIN_PID"; done
+wait "$TRAIN_PID"
+rc=$?
+echo "finetune.sh: $(date +%T) trainer exited with $rc"
+for _ in $(seq 60); do kill -0 "$REFRESH_PID" 2>/dev/null || break; sleep 1; done
+if kill -0 "$REFRESH_PID" 2>/dev/null; then
+  echo "finetune.sh: ending the refresher step"
+  kill -TERM "$REFRESH_PID" 2>/dev/null
+  wait "$REFRESH_PID"
+fi
+
+if [ "$rc" = "$EXIT_REQUEUE" ]; then
+  if [ "$restart" -ge "$MAX_REQUEUES" ]; then
+    echo "finetune.sh: checkpoint written, but $restart restarts reached --max-requeues: not requeueing"
+    exit "$rc"
+  fi
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    echo "finetune.sh: checkpoint complete; job $SLURM_JOB_ID requeued (it resumes from there)"
+  else
+    echo "finetune.sh: scontrol requeue failed (was the job submitted with --no-requeue?)" >&2
+  fi
+fi
+exit "$rc"
