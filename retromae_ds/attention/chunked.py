@@ -3,8 +3,9 @@
 The FlashAttention algorithm written with PyTorch ops, for devices where no fused kernel
 (FlexAttention's backward, Triton) is available, such as CPU. The forward pass walks the
 queries in chunks of ``c`` rows, evaluates the rule for those rows only (B×c×L, from the spec's
-O(B·L) tensors), and keeps just the output and the log-sum-exp per query. The backward pass
-walks the chunks again, recomputing scores and visibility, and accumulates dK/dV. Peak extra
+O(B·L) tensors), takes the softmax over the visible keys and keeps only the output. The
+backward pass walks the chunks again, recomputing scores, visibility and probabilities (one
+fused softmax per chunk), and accumulates dK/dV. Peak extra
 memory is O(B·H·c·L) with c ≤ 128 instead of the reference path's B×L×L mask plus B×H×L×L scores and
 probabilities; nothing of size L×L is stored between the passes.
 """
@@ -28,45 +29,43 @@ def chunk_rows(B: int, H: int, L: int, budget: int = CHUNK_BUDGET_BYTES) -> int:
     return int(max(16, min(L, MAX_CHUNK_ROWS, budget // max(1, B * H * L * 4))))
 
 
+def _probabilities(q_c, kT, spec: MaskSpec, start: int, stop: int, scale: float):
+    """Softmax over the visible keys for query rows start:stop: B×H×c×L float32."""
+    hidden = spec.rows(start, stop, kT.shape[-1]).to(q_c.device).logical_not_()[:, None]
+    s = ((q_c * scale) @ kT).float()
+    s.masked_fill_(hidden, float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec: MaskSpec, chunk: int):  # type: ignore[override]
-        B, H, L, D = q.shape
-        scale = 1.0 / math.sqrt(D)
+        L = q.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.empty_like(q)
-        lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
         kT = k.transpose(-1, -2)
         for start in range(0, L, chunk):
             stop = min(L, start + chunk)
-            visible = spec.rows(start, stop, k.shape[2]).to(q.device)[:, None]
-            s = (q[:, :, start:stop] @ kT).float() * scale
-            s.masked_fill_(~visible, float("-inf"))
-            m = s.amax(dim=-1, keepdim=True)
-            p = torch.exp_(s.sub_(m))
-            denom = p.sum(dim=-1, keepdim=True)
-            out[:, :, start:stop] = ((p.to(v.dtype) @ v).float() / denom).to(out.dtype)
-            lse[:, :, start:stop] = (m + denom.log()).squeeze(-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+            p = _probabilities(q[:, :, start:stop], kT, spec, start, stop, scale)
+            out[:, :, start:stop] = (p.to(v.dtype) @ v).to(out.dtype)
+        ctx.save_for_backward(q, k, v, out)
         ctx.spec, ctx.chunk, ctx.scale = spec, chunk, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out = ctx.saved_tensors
         spec, chunk, scale = ctx.spec, ctx.chunk, ctx.scale
         L = q.shape[2]
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        delta = (dout.float() * out.float()).sum(dim=-1)  # B, H, L
+        delta = (dout.float() * out.float()).sum(dim=-1)  # B, H, L: rowsum(dP ∘ P)
         kT, vT = k.transpose(-1, -2), v.transpose(-1, -2)
         for start in range(0, L, chunk):
             stop = min(L, start + chunk)
-            visible = spec.rows(start, stop, k.shape[2]).to(q.device)[:, None]
             q_c, do_c = q[:, :, start:stop], dout[:, :, start:stop]
-            s = (q_c @ kT).float() * scale
-            s.masked_fill_(~visible, float("-inf"))
-            p = torch.exp_(s.sub_(lse[:, :, start:stop, None]))  # B, H, c, L
+            p = _probabilities(q_c, kT, spec, start, stop, scale)  # recomputed, B×H×c×L
             dv += p.transpose(-1, -2).to(do_c.dtype).matmul(do_c).float()
             dp = (do_c @ vT).float()
             ds = p.mul_(dp.sub_(delta[:, :, start:stop, None])).mul_(scale)
