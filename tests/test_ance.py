@@ -189,15 +189,17 @@ def _content(version: int, num_queries: int) -> list[np.ndarray]:
     ]
 
 
-def _writer(root: str, versions: int, delay: float) -> None:
+def _writer(root: str, versions: int, delay: float, ready) -> None:
+    ready.wait(timeout=120)  # the reader is hammering before the first publication
     for v in range(versions):
         handoff.publish(Path(root), v, _content(v, 50), step=10 * v, keep_last=3)
         time.sleep(delay)
 
 
-def _reader(root: str, deadline: float, out) -> None:
+def _reader(root: str, ready, stop, out) -> None:
     seen, checked = [], 0
-    while time.monotonic() < deadline:
+    ready.set()
+    while not stop.is_set():
         neg = handoff.load_current(Path(root))
         if neg is None:
             continue
@@ -212,17 +214,24 @@ def _reader(root: str, deadline: float, out) -> None:
 
 def test_handoff_is_atomic_under_a_concurrent_reader(tmp_path):
     root = tmp_path / "negatives"
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
+    ctx = mp.get_context("spawn")  # fork after torch/bm25s threads may deadlock the child
+    ready, stop, results = ctx.Event(), ctx.Event(), ctx.Queue()
     versions = 40
-    reader = ctx.Process(target=_reader, args=(str(root), time.monotonic() + 6.0, results))
-    reader.start()
-    writer = ctx.Process(target=_writer, args=(str(root), versions, 0.02))
-    writer.start()
-    writer.join(timeout=60)
-    reader.join(timeout=60)
-    assert writer.exitcode == 0 and reader.exitcode == 0, "a reader saw a partial or wrong version"
-    seen, checked = results.get(timeout=5)
+    reader = ctx.Process(target=_reader, args=(str(root), ready, stop, results))
+    writer = ctx.Process(target=_writer, args=(str(root), versions, 0.05, ready))
+    try:
+        reader.start()
+        writer.start()
+        writer.join(timeout=180)
+        time.sleep(0.5)  # a few more reads of the last version
+        stop.set()
+        seen, checked = results.get(timeout=60)
+        reader.join(timeout=60)
+        assert writer.exitcode == 0 and reader.exitcode == 0, "a reader saw a partial version"
+    finally:
+        for proc in (reader, writer):
+            if proc.is_alive():
+                proc.kill()
     assert checked > 50 and len(set(seen)) > 3, (checked, sorted(set(seen)))
     assert seen == sorted(seen)  # never goes back to an older version
     assert handoff.published_versions(root) == [versions - 3, versions - 2, versions - 1]
