@@ -45,7 +45,8 @@ class DistInfo:
     backend: str
 
 
-def _env_int(*names: str, default: int) -> int:
+def env_int(*names: str, default: int) -> int:
+    """The first of the environment variables ``names`` that is set, as an int."""
     for name in names:
         if os.environ.get(name, "") != "":
             return int(os.environ[name])
@@ -60,9 +61,9 @@ def _free_port() -> int:
 
 def setup_distributed(timeout_s: int = 600) -> DistInfo:
     """Initialise the process group (idempotent) and return this process's place in it."""
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    rank = env_int("RANK", "SLURM_PROCID", default=0)
+    world = env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local = env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
     if world == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

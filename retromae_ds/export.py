@@ -52,7 +52,7 @@ def export_encoder(checkpoint: str | Path, out: str | Path, pooling: str = "cls"
         raise RuntimeError(f"encoder body mismatch: missing {missing}, unexpected {unexpected}")
     body.save_pretrained(str(staging), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(staging))
-    _write_sentence_transformers_files(
+    write_sentence_transformers_files(
         staging, mlm.config.hidden_size, pooling, mlm.config.max_position_embeddings
     )
     if out.exists():
@@ -61,7 +61,7 @@ def export_encoder(checkpoint: str | Path, out: str | Path, pooling: str = "cls"
     return out
 
 
-def _write_sentence_transformers_files(folder: Path, dim: int, pooling: str, max_len: int) -> None:
+def write_sentence_transformers_files(folder: Path, dim: int, pooling: str, max_len: int) -> None:
     (folder / "1_Pooling").mkdir(exist_ok=True)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

@@ -104,7 +104,7 @@ def save_encoders(
     full state dict of ``model`` (e.g. DeepSpeed's consolidated one)."""
     from transformers import AutoTokenizer
 
-    from retromae_ds.export import _write_sentence_transformers_files
+    from retromae_ds.export import write_sentence_transformers_files
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     towers = [("encoder", model.encoder)]
@@ -115,7 +115,7 @@ def save_encoders(
         out = folder / name
         tower.save_pretrained(str(out), state_dict=sub, safe_serialization=True)
         tokenizer.save_pretrained(str(out))
-        _write_sentence_transformers_files(
+        write_sentence_transformers_files(
             out, tower.config.hidden_size, model.pooling, tower.config.max_position_embeddings
         )
         (out / SETTINGS_FILE).write_text(json.dumps(model.settings(), indent=2))

@@ -163,9 +163,9 @@ class _Group:
     def __init__(self, timeout_s: int) -> None:
         from retromae_ds import engine as eng
 
-        self.rank = eng._env_int("RANK", "SLURM_PROCID", default=0)
-        self.world = eng._env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-        self.local_rank = eng._env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+        self.rank = eng.env_int("RANK", "SLURM_PROCID", default=0)
+        self.world = eng.env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+        self.local_rank = eng.env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
         if self.world > 1:
             self.info = eng.setup_distributed(timeout_s)
 
