@@ -152,9 +152,10 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def job_processes(job_id: int, **env_match: str) -> list[int]:
+def job_processes(job_id: int, module: str = "retromae_ds.train", **env_match: str) -> list[int]:
     """Pids of this machine's processes that belong to Slurm job ``job_id`` (by their
-    environment) and whose environment has every ``env_match`` entry."""
+    environment), run ``module`` (found in their command line) and whose environment has
+    every ``env_match`` entry."""
     want = {"SLURM_JOB_ID": str(job_id), **env_match}
     found = []
     for proc in Path("/proc").iterdir():
@@ -166,7 +167,7 @@ def job_processes(job_id: int, **env_match: str) -> list[int]:
         except OSError:
             continue
         env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        if b"retromae_ds.train" in cmdline and all(
+        if module.encode() in cmdline and all(
             env.get(k.encode()) == v.encode() for k, v in want.items()
         ):
             found.append(int(proc.name))

@@ -6,7 +6,9 @@ On CPU with a tiny model: 1 node x 2 tasks trains and its loss falls; preemption
 writes a checkpoint, requeues the job and the resumed run reproduces the uninterrupted losses
 exactly; a rank killed with SIGKILL fails the job in bounded time and leaves a loadable
 checkpoint; the preprocessing array job equals one local run; 2 nodes x 1 task (srun and the
-deepspeed launcher) rendezvous across the virtual link and compute the same losses as 1 x 2.
+deepspeed launcher) rendezvous across the virtual link and compute the same losses as 1 x 2;
+slurm/finetune.sh runs the ANCE trainer and refresher as concurrent job steps, and the trainer
+swaps to negatives the refresher mined from its checkpoints.
 Skips, saying why, when not root, when the packages cannot be installed, or when a Slurm that
 these tests did not start is present. Every wait is bounded.
 """
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -134,7 +137,9 @@ def submit_pretrain(
     )
 
 
-def wait_while_running(cluster: SlurmCluster, job: int, predicate, what: str, run: Path):
+def wait_while_running(
+    cluster: SlurmCluster, job: int, predicate, what: str, run: Path, interval: float = 0.3
+):
     """Wait (bounded) until ``predicate()`` holds; fail at once if the job ends first."""
 
     def check():
@@ -144,7 +149,7 @@ def wait_while_running(cluster: SlurmCluster, job: int, predicate, what: str, ru
             raise AssertionError(f"job {job} ended before {what}:\n{explain(run, job)}")
         return False
 
-    wait_for(check, 180, what, interval=0.3)
+    wait_for(check, 180, what, interval=interval)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -372,3 +377,108 @@ def test_two_nodes_rendezvous_across_the_link(two_nodes, tmp_path, shards, refer
     assert compared(metrics(run)) == compared(metrics(reference["run"]))
     final = ckpt.latest_complete(run / "checkpoints")
     assert ckpt.read_marker(final) == {"step": MAX_STEPS, "world_size": 2, "objective": "retromae"}
+
+
+# ------------------------------------------------------------------------ ANCE fine-tuning
+FT_MAX_STEPS = 200  # about 10 ms a step here: the trainer would finish before the refresher
+FT_CKPT_EVERY = 10  # has started, were it not held (below)
+
+
+def test_finetune_trainer_and_refresher_as_concurrent_steps(one_node, tmp_path, tokenizer_dir):
+    """slurm/finetune.sh on 1 node x 2 tasks: 1 trainer task + 1 refresher task, two
+    concurrent ``srun --exact`` steps talking through the run folder only."""
+    from test_ance import write_synthetic_beir, write_tiny_encoder
+
+    from retromae_ds.ance import handoff
+
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=60, num_queries=20)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    t0 = time.monotonic()
+    job = one_node.sbatch(
+        f"--output={run}/slurm-%j.out",
+        *("--nodes=1", "--ntasks=2", "--cpus-per-task=1", "--time=15"),
+        str(REPO / "slurm" / "finetune.sh"),
+        *("--run-dir", str(run), "--refresher-tasks", "1", "--"),
+        "--progress", "false", "--data.beir", str(beir), "--model.init", str(encoder),
+        "--data.q_max_len", "16", "--data.p_max_len", "24",
+        "--micro_batch_size", "4", "--negatives.n_hard", "2",
+        "--max_steps", str(FT_MAX_STEPS), "--log_every", "1", "--negatives.refresh_every", "2",
+        "--checkpoint.every_steps", str(FT_CKPT_EVERY), "--checkpoint.keep_last", "0",
+        "--optim.lr", "1e-3", "--optim.warmup_steps", "1", "--deepspeed.timeout_s", "60",
+        "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
+        "--refresher_device", "cpu", "--refresh.index", "torch", "--refresh.poll_s", "0.3",
+        "--refresh.num_negatives", "3", "--refresh.batch_size", "64",
+        "--refresh.progress", "false",
+        env={"PYTHON": sys.executable},
+        cwd=REPO,
+    )  # fmt: skip
+    neg_root = run / "negatives"
+
+    def first_checkpoint():
+        return ckpt.latest_complete(run / "checkpoints") is not None
+
+    wait_while_running(
+        one_node, job, first_checkpoint, "the trainer's first checkpoint", run, interval=0.05
+    )
+
+    # the refresher step starts late (it polls for refresh_config.json every 5 s, then imports
+    # torch): hold the trainer (SIGSTOP) until the refresher has published a version mined from
+    # one of its checkpoints, then let it go on; both steps keep running throughout
+    def mined():
+        pointer = handoff.read_pointer(neg_root)
+        return pointer is not None and pointer["version"] >= 1
+
+    # (RANK: the trainer itself, not the srun whose command line names it)
+    trainers = job_processes(job, module="retromae_ds.finetune", RANK="0")
+    assert len(trainers) == 1, (trainers, explain(run, job))
+    os.kill(trainers[0], signal.SIGSTOP)
+    try:
+        assert not (run / "FINISHED").exists(), "the trainer finished before it was held"
+        wait_while_running(one_node, job, mined, "a negatives version from the refresher", run)
+    finally:
+        os.kill(trainers[0], signal.SIGCONT)
+    state = one_node.wait(job, timeout=180)
+    elapsed = time.monotonic() - t0
+    print(f"finetune job {job} took {elapsed:.1f}s")  # shown with pytest -s
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", explain(run, job)
+    assert state["Restarts"] == "0"
+    batch_log = job_log(run, job)
+    assert "trainer 1 task(s)" in batch_log and "refresher 1 task(s)" in batch_log, batch_log
+    assert "trainer exited with 0" in batch_log, batch_log
+    # the refresher ended by itself once the trainer had finished
+    assert "ending the refresher step" not in batch_log, batch_log
+    logs = run / "logs" / f"job{job}.0"
+    refresher_log = (logs / "refresher_0.log").read_text()
+    assert "refresh: stopping (the trainer finished)" in refresher_log, refresher_log[-3000:]
+
+    # the trainer's last checkpoint is complete
+    final = ckpt.latest_complete(run / "checkpoints")
+    marker = ckpt.read_marker(final)
+    assert marker["step"] == FT_MAX_STEPS and marker["world_size"] == 1, marker
+    assert (final / "encoder" / "dual_encoder.json").is_file()
+    assert (run / "FINISHED").is_file()
+    assert not list((run / "checkpoints").glob("*.partial"))
+
+    # versions beyond the BM25 v0, each mined from a complete trainer checkpoint
+    versions = handoff.published_versions(neg_root)
+    assert versions[0] == 0 and len(versions) >= 2, versions
+    manifests = {v: json.loads(handoff.manifest_file(neg_root, v).read_text()) for v in versions}
+    assert manifests[0]["step"] == 0
+    for v in versions[1:]:
+        step = manifests[v]["step"]
+        assert step > 0 and step % FT_CKPT_EVERY == 0, manifests[v]
+        assert ckpt.read_marker(run / "checkpoints" / ckpt.tag_for(step))["step"] == step
+
+    # the trainer swapped to a refresher version at a step boundary and trained on it
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, FT_MAX_STEPS + 1))
+    used = [r["negatives_version"] for r in rows]
+    assert used == sorted(used) and used[0] == 0, used
+    trained_on = [v for v in set(used) if v >= 1]
+    assert trained_on, used
+    for v in trained_on:
+        first = next(r for r in rows if r["negatives_version"] == v)
+        assert first["negatives_staleness"] == first["step"] - manifests[v]["step"], first
+    assert marker["negatives_version"] >= used[-1]
