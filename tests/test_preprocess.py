@@ -306,6 +306,44 @@ def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
     assert output_files(tmp_path / "out") == output_files(clean)
 
 
+def test_a_worker_killed_mid_shard_fails_the_run_instead_of_hanging(tmp_path, tokenizer_dir):
+    import psutil
+
+    src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(400, seed=11))
+    args = ["preprocess", str(src), "--out", str(tmp_path / "out"), "--tokenizer",
+            str(tokenizer_dir), "--shard-size", "2KB", "--max-length", "32", "--workers", "2",
+            "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retromae_ds.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "RETROMAE_DS_TEST_DELAY_BEFORE_RENAME": "0.5"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    shard_dir = tmp_path / "out" / "shards"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        shard_dir.exists() and list(shard_dir.glob("*.tmp"))
+    ):
+        time.sleep(0.05)
+    workers = [
+        c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())
+    ]
+    assert workers, "no worker process found"
+    workers[0].send_signal(signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the run hung after one of its workers was killed")
+    assert proc.returncode != 0
+    assert "worker died" in err.decode()
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    result = cli(*args)  # rerunning finishes the job
+    assert result.returncode == 0, result.stderr
+    ShardDataset(tmp_path / "out", verify=True)
+
+
 # ---------------------------------------------------------------------- bad input
 BAD_LINES = {
     "malformed": (b'{"_id": "x", "text": "fine"}\n{"_id": "y", "text": \n', 2, "malformed JSON"),

@@ -24,6 +24,8 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -343,12 +345,17 @@ def _run_units(
             _init_worker(*init_args)
             results = map(_process_unit, todo)
         else:
-            ctx = mp.get_context("spawn")  # fork after Rust thread pools have run can deadlock
-            pool = stack.enter_context(
-                ctx.Pool(min(cfg.workers, len(todo)), _init_worker, init_args)
+            # spawn: fork after Rust thread pools have run can deadlock. An executor, not
+            # multiprocessing.Pool: a worker that dies (OOM killer, SIGKILL) breaks the pool
+            # with an error here instead of leaving the run waiting forever for its result.
+            pool = ProcessPoolExecutor(
+                min(cfg.workers, len(todo)),
+                mp_context=mp.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=init_args,
             )
-            stack.callback(pool.terminate)
-            results = pool.imap_unordered(_process_unit, todo)
+            stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+            results = _completed(pool, todo)
         for record in results:
             if "error" in record:
                 bar.close()
@@ -364,6 +371,19 @@ def _run_units(
     bar.close()
     totals["seconds"] = time.perf_counter() - t0
     return totals
+
+
+def _completed(pool: ProcessPoolExecutor, todo: list[Unit]):
+    """Each unit's record as it completes; a dead worker raises, naming what happened."""
+    futures = [pool.submit(_process_unit, unit) for unit in todo]
+    try:
+        for future in as_completed(futures):
+            yield future.result()
+    except BrokenProcessPool as e:
+        raise RuntimeError(
+            "a preprocessing worker died (killed, or out of memory); the shards completed "
+            "so far are kept: rerun the same command to finish"
+        ) from e
 
 
 def merge(out: Path, progress: bool = True) -> dict[str, Any]:
