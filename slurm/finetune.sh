@@ -90,6 +90,9 @@ pass_args=(--run-dir "$RUN_DIR" --max-requeues "$MAX_REQUEUES"
 
 # ---- outside a job: submit this script with the requested allocation -----------------------
 if [ -z "${SLURM_JOB_ID:-}" ]; then
+  # shellcheck source=slurm/lib.sh
+  . "$(dirname "$0")/lib.sh"
+  check_signal_lead "$TIME" "$SIGNAL_LEAD" || exit 2
   if [ "$GPUS_PER_NODE" -gt 0 ]; then TASKS_PER_NODE=$GPUS_PER_NODE; fi
   mkdir -p "$RUN_DIR/logs"
   sbatch_args=(
