@@ -420,6 +420,8 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
         )
 
     def compare(a, b) -> str:
+        if min(a["n"], b["n"]) < 2:
+            return "one seed, no error estimate: no verdict"
         diff = a["ndcg@10"] - b["ndcg@10"]
         se = math.sqrt(
             a["ndcg@10_std"] ** 2 / max(1, a["n"]) + b["ndcg@10_std"] ** 2 / max(1, b["n"])

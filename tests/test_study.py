@@ -66,3 +66,9 @@ def test_config_rejects_unknown_settings_and_quick_is_smaller():
     assert len(quick.seeds) >= 3
     assert quick.pretrain_steps["scratch"] < full.pretrain_steps["scratch"]
     assert set(quick.objectives) >= {"mlm", "retromae", "seed"}
+
+
+def test_a_single_seed_gets_no_verdict():
+    rows = [_row("mlm", "zero_shot", 0, 0.1), _row("retromae", "zero_shot", 0, 0.3)]
+    (line,) = [v for v in verdicts(aggregate(rows)) if "retromae" in v and "mlm" in v]
+    assert line.endswith("one seed, no error estimate: no verdict (paper: retromae > mlm)")
