@@ -78,6 +78,10 @@ class OptimConfig:
     """Decay after warm-up: linear, cosine or constant."""
     grad_clip: float = 1.0
     """Gradient-norm clipping (0 disables)."""
+    encoder_frozen_steps: int = 0
+    """Heads-only warm-up: the encoder body's learning rate is 0 for the first N steps while
+    the heads (MLM transform, decoder) learn, e.g. when continuing from a checkpoint that
+    ships without them; afterwards the body follows the schedule over the remaining steps."""
 
     def __post_init__(self) -> None:
         if self.schedule not in ("linear", "cosine", "constant"):
@@ -199,16 +203,47 @@ def lr_lambda(cfg: OptimConfig, max_steps: int):
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
+    """AdamW; no weight decay on biases and norms. With ``encoder_frozen_steps`` the encoder
+    body's parameters get groups of their own (marked ``body``) for ``build_scheduler``."""
+    body = set()
+    if cfg.encoder_frozen_steps:
+        encoder = getattr(model, "encoder", None)
+        if encoder is None or not hasattr(encoder, "base_model"):
+            raise ValueError("optim.encoder_frozen_steps needs a model with an encoder body")
+        body = {id(p) for p in encoder.base_model.parameters()}
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        decays = not (p.ndim < 2 or "norm" in name.lower())
+        groups.setdefault((id(p) in body, decays), []).append(p)
+    param_groups = [
+        {"params": groups[key], "weight_decay": cfg.weight_decay if key[1] else 0.0}
+        | ({"body": True} if key[0] else {})
+        for key in ((False, True), (False, False), (True, True), (True, False))
+        if key in groups
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The warm-up + decay schedule; the encoder body's groups wait ``encoder_frozen_steps``
+    at learning rate 0, then run the same schedule over the remaining steps."""
+    heads = lr_lambda(cfg, max_steps)
+    frozen = cfg.encoder_frozen_steps
+    if not frozen:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, heads)
+    if frozen >= max_steps:
+        raise ValueError(f"optim.encoder_frozen_steps ({frozen}) must be < max_steps ({max_steps})")
+    later = lr_lambda(cfg, max_steps - frozen)
+
+    def body(step: int) -> float:
+        return 0.0 if step < frozen else later(step - frozen)
+
+    lambdas = [body if g.get("body") else heads for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -257,7 +292,7 @@ def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
         )
     model = PretrainModel(encoder, cfg.model.objective, cfg.masking.decoder_ratio)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, max_steps))
+    scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
     ds_config = eng.build_ds_config(
         cfg.deepspeed.config,
         micro_batch=cfg.micro_batch_size,

@@ -477,3 +477,31 @@ def test_after_a_stop_further_stop_signals_are_ignored():
         signal.raise_signal(signal.SIGUSR2)  # ignored: the test process lives on
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_encoder_frozen_steps_train_only_the_heads_first(tmp_path, synthetic_shards):
+    """Heads-only warm-up on the real engine (ZeRO-2): the encoder body stays bit-identical
+    for the first N steps while the MLM head and the decoder move; then the body trains too."""
+    run = tmp_path / "run"
+    pretrain(
+        run, synthetic_shards, "--max_steps", "4", "--optim.encoder_frozen_steps", "2",
+        "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "10",
+        "--deepspeed.config", '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
+    )  # fmt: skip
+
+    def state(step: int) -> dict[str, torch.Tensor]:
+        path = run / "checkpoints" / ckpt.tag_for(step) / "mp_rank_00_model_states.pt"
+        return torch.load(path, weights_only=False)["module"]
+
+    s1, s2, s3 = state(1), state(2), state(3)
+    body = [k for k in s1 if k.startswith("encoder.bert.")]
+    heads = [k for k in s1 if k.startswith(("decoder.", "encoder.cls.predictions.transform"))]
+    assert body and heads
+    assert all(torch.equal(s1[k], s2[k]) for k in body)
+    assert any(not torch.equal(s1[k], s2[k]) for k in heads)
+    assert any(not torch.equal(s2[k], s3[k]) for k in body)
+    with pytest.raises(ValueError, match="encoder_frozen_steps"):
+        from retromae_ds.train import OptimConfig, build_scheduler
+
+        opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(1))], "body": True}])
+        build_scheduler(opt, OptimConfig(encoder_frozen_steps=4), 4)
