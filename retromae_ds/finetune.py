@@ -53,7 +53,7 @@ from retromae_ds.train import (
     StopRequested,
     StopSignals,
     build_optimizer,
-    lr_lambda,
+    build_scheduler,
     signal_number,
 )
 
@@ -101,6 +101,11 @@ class NegativesConfig:
     """Hard negatives per query in each batch (at most refresh.num_negatives are distinct)."""
     refresh_every: int = 50
     """Look for a newer negatives version every M steps."""
+    mine_first: bool = False
+    """ANCE's start: save a step-0 checkpoint and train only once the refresher has published
+    negatives mined with the initial encoder (BM25 negatives are then never trained on)."""
+    mine_first_timeout_s: float = 3600.0
+    """How long to wait for those first mined negatives before failing."""
 
 
 @dataclass(kw_only=True)
@@ -206,6 +211,29 @@ def _load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> hand
 REFRESH_CONFIG = "refresh_config.json"
 
 
+def _wait_for_mined(
+    root: Path, after: int, refresher: subprocess.Popen | None, timeout_s: float, log: Path
+) -> int:
+    """Every rank polls the shared negatives folder until a version newer than ``after`` is
+    published; fails if the local refresher exits first or nothing comes within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pointer = handoff.read_pointer(root)
+        if pointer is not None and pointer["version"] > after:
+            return _broadcast(pointer["version"])
+        if refresher is not None and refresher.poll() is not None:
+            raise RuntimeError(
+                f"the local refresher exited ({refresher.returncode}) before mining the first "
+                f"negatives; see {log}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{root}: no mined negatives within {timeout_s:.0f} s of the step-0 checkpoint "
+                "(negatives.mine_first needs a running refresher)"
+            )
+        time.sleep(1.0)
+
+
 def _write_refresh_config(cfg: FinetuneConfig, run_dir: Path) -> Path:
     """The refresher's settings (the ``refresh`` section) for any refresher of this run: the
     local subprocess, or a Slurm job step that waits for this file (slurm/finetune.sh)."""
@@ -304,7 +332,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
     steps_per_epoch = max(1, micro_per_epoch // cfg.grad_accum)
     max_steps = cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, max_steps))
+    scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
     ds_config = eng.build_ds_config(
         cfg.deepspeed.config,
         micro_batch=batch_size,
@@ -390,6 +418,18 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
     micro = 0
     stopping = False
     try:
+        if cfg.negatives.mine_first and step == 0:
+            if resume_from is None:
+                save(0)
+            version = _wait_for_mined(
+                neg_root,
+                negatives.version,
+                refresher,
+                cfg.negatives.mine_first_timeout_s,
+                run_dir / "refresher.log",
+            )
+            negatives = _load_negatives(neg_root, version, ts)
+            logger.note(f"finetune: step 0: negatives v{version} mined from the initial encoder")
         while step < max_steps:
             if sampler.consumed + batch_size > len(sampler):  # skip an epoch's partial tail
                 sampler.advance(len(sampler) - sampler.consumed)

@@ -177,3 +177,33 @@ def test_finetune_with_local_refresher_beats_the_untuned_model_on_scifact(
     # the refresher ran beside the trainer on the trainer's own checkpoints
     log = (run / "refresher.log").read_text()
     assert "encoding" in log, log[-2000:]
+
+
+def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
+    tmp_path, tokenizer_dir
+):
+    """ANCE's start (``negatives.mine_first``): a step-0 checkpoint, the local refresher mines
+    from it, and the first step already uses those negatives; BM25 v0 is never trained on.
+    Without a refresher the trainer fails with a clear error instead of waiting forever."""
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    common = [
+        "--data.beir", str(beir), "--model.init", str(encoder),
+        "--data.q_max_len", "16", "--data.p_max_len", "32",
+        "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.num_negatives", "3",
+        "--max_steps", "4", "--log_every", "1", "--negatives.mine_first", "true",
+        "--optim.lr", "1e-3", "--optim.warmup_steps", "1",
+        "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
+    ]  # fmt: skip
+    run = tmp_path / "run"
+    finetune(run, *common, "--refresher", "local", "--refresher_device", "cpu",
+             "--refresh.poll_s", "0.2", "--refresh.progress", "false")  # fmt: skip
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["negatives_version"] >= 1, rows[0]
+    first = json.loads(handoff.manifest_file(run / "negatives", 1).read_text())
+    assert first["source"] == "model" and first["step"] == 0, first
+    assert "from step_00000000" in (run / "refresher.log").read_text()
+
+    with pytest.raises(AssertionError, match="no mined negatives within 2 s"):
+        finetune(tmp_path / "alone", *common, "--negatives.mine_first_timeout_s", "2")
