@@ -155,7 +155,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from retromae_ds.demo import run_demo
 
     run_demo(
-        args.out, workers=args.workers, max_docs=args.max_docs, steps=args.steps, beir=args.beir
+        args.out,
+        workers=args.workers,
+        max_docs=args.max_docs,
+        steps=args.steps,
+        finetune_steps=args.finetune_steps,
+        seeds=args.seeds,
+        beir=args.beir,
+        command=" ".join(["retromae-ds", *sys.argv[1:]]),
     )
     return 0
 
@@ -203,18 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("finetune", help="ANCE fine-tuning on DeepSpeed (--config FILE, --a.b VALUE)")
     sub.add_parser("refresh", help="hard-negative refresher of a fine-tuning run (--run_dir RUN)")
 
-    p = sub.add_parser("demo", help="the main job on the built-in corpus")
+    p = sub.add_parser("demo", help="the main job: the study's quick protocol, built-in corpus")
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="tokenization processes")
     p.add_argument(
         "--max-docs", type=int, default=None, help="use only the first N built-in documents"
     )
-    p.add_argument("--steps", type=int, default=400, help="pre-training steps (default 400)")
+    p.add_argument("--steps", type=int, default=120, help="pre-training steps (default 120)")
+    p.add_argument("--finetune-steps", type=int, default=40, help="fine-tuning steps (default 40)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2")
     p.add_argument(
         "--beir",
         action="append",
         default=None,
-        help="also evaluate on this BEIR folder (repeatable; default ../shared/data/scifact if present)",
+        metavar="DIR",
+        help="also evaluate every encoder on this BEIR folder (its test qrels; repeatable)",
     )
     p.set_defaults(func=cmd_demo)
     return parser

@@ -1,134 +1,108 @@
-"""The README's main job: the whole pipeline on the built-in corpus, offline, in minutes on CPU.
+"""The README's main job: the study's quick protocol on the built-in corpus, offline, on CPU.
 
-1. write the built-in corpus (stdlib docstrings + pydoc topics) and a small retrieval task made
-   from it (docstring summary line -> its body; the summaries are held out of pre-training);
-2. preprocess it into shards (a WordPiece tokenizer trained on it, two workers);
-3. pre-train a tiny RetroMAE encoder on DeepSpeed (one process, CPU, ZeRO-2);
-4. export the encoder as a Hugging Face / sentence-transformers folder;
-5. evaluate it zero-shot (CLS embedding, inner product) against the same encoder untrained,
-   on the built-in task and, when present, SciFact (or any ``--beir`` folder).
+Does RetroMAE / SEED-Encoder pre-training give a better retrieval encoder than MLM at the same
+budget? In miniature, on text every Python installation carries:
+
+1. write the built-in corpus (stdlib docstrings + pydoc topics) and a retrieval task made from
+   it (docstring summary line -> its body; the summaries are held out of pre-training), with
+   its queries split into train and test;
+2. preprocess the corpus into shards (a WordPiece tokenizer trained on it);
+3. for each seed, pre-train the same ``tiny`` encoder (same initialisation, data, steps, batch)
+   with MLM, RetroMAE and SEED-Encoder on DeepSpeed (CPU), each stage its own process;
+4. evaluate every encoder and its untrained twin zero-shot (CLS embedding, inner product), and
+   again after a short contrastive fine-tune with BM25 negatives on the train queries;
+5. print the mean ± std table and the verdicts against the papers' orderings; write the plot
+   (``study.png``) and the report (``study.md``). ``--beir DIR`` evaluates every encoder on
+   that BEIR folder too.
+
+The protocol is ``retromae_ds.study`` (``quick_config``): the same code as the full study of
+docs/results.md, on different inputs. Reruns skip finished cells.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import time
 from pathlib import Path
 
-import torch
-
 from retromae_ds.data.builtin_corpus import iter_documents, split_for_retrieval, write_beir
-from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
-DEFAULT_SCIFACT = Path(__file__).resolve().parents[2] / "shared" / "data" / "scifact"
+
+def builtin_task(folder: Path, max_docs: int | None = None, test_every: int = 3) -> Path:
+    """The built-in retrieval task as a BEIR folder; every ``test_every``-th query (by a hash
+    of its id) is a test query, the others train the fine-tuning stage."""
+    if (folder / "qrels" / "train.tsv").exists():
+        return folder
+    records = list(iter_documents(max_docs))
+    corpus, queries, qrels = split_for_retrieval(records, every=2)
+
+    def is_test(qid: str) -> bool:
+        return int(hashlib.sha1(qid.encode()).hexdigest()[:8], 16) % test_every == 0
+
+    test = [(q, d) for q, d in qrels if is_test(q)]
+    train = [(q, d) for q, d in qrels if not is_test(q)]
+    return write_beir(folder, corpus, queries, test, train)
 
 
 def run_demo(
     out: str | Path,
+    *,
     workers: int = 2,
     max_docs: int | None = None,
-    steps: int = 400,
+    steps: int = 120,
+    finetune_steps: int = 40,
+    seeds: list[int] | None = None,
     beir: list[str] | None = None,
+    command: str = "retromae-ds demo",
 ) -> dict:
+    from retromae_ds.study import Study, aggregate, quick_config, report
+
     out = Path(out)
     t0 = time.perf_counter()
-    records = list(iter_documents(max_docs))
-    corpus, queries, qrels = split_for_retrieval(records, every=8)
-    task = write_beir(out / "builtin_beir", corpus, queries, qrels)
-    print(
-        f"[1/5] built-in corpus: {len(corpus):,} documents, {len(queries)} held-out queries -> {task}"
-    )
-
-    print("[2/5] preprocess: train a WordPiece tokenizer, tokenize, shard")
-    manifest = run_preprocess(
-        PreprocessConfig(
-            inputs=[str(task / "corpus.jsonl")],
-            out=str(out / "shards"),
-            train_tokenizer=8000,
-            max_length=128,
-            shard_size=512 * 2**10,
-            workers=workers,
+    task = builtin_task(out / "builtin", max_docs)
+    n_docs, n_train, n_test = (
+        len(path.read_text(encoding="utf-8").splitlines()) - skip
+        for path, skip in (
+            (task / "corpus.jsonl", 0),
+            (task / "qrels" / "train.tsv", 1),
+            (task / "qrels" / "test.tsv", 1),
         )
     )
-    ShardDataset(out / "shards", verify=True)  # sha256 of every shard against the manifest
-
-    print(f"[3/5] pre-train a tiny RetroMAE encoder for {steps} steps (DeepSpeed, CPU)")
-    from retromae_ds.config import from_dict
-    from retromae_ds.train import TrainConfig, train
-
-    cfg = from_dict(
-        TrainConfig,
-        {
-            "run_dir": str(out / "pretrain"),
-            "micro_batch_size": 32,
-            "max_steps": steps,
-            "log_every": max(1, steps // 20),
-            "data": {"shards": str(out / "shards")},
-            "model": {"encoder": {"name": "tiny", "max_position_embeddings": 128}},
-            "optim": {"lr": 5e-4, "warmup_ratio": 0.05},
-            "checkpoint": {"every_steps": max(1, steps // 2), "keep_last": 1},
-        },
+    print(
+        f"built-in task: {n_docs:,} documents, {n_train} train / {n_test} test queries -> {task}",
+        flush=True,
     )
-    last = train(cfg)
-    first = json.loads((out / "pretrain" / "metrics.jsonl").read_text().splitlines()[0])
-
-    print("[4/5] export the encoder")
-    from retromae_ds.export import export_encoder
-
-    encoder_dir = export_encoder(out / "pretrain", out / "encoder")
-    baseline_dir = _untrained_twin(out / "untrained", encoder_dir)
-
-    print("[5/5] evaluate zero-shot (CLS embedding, exact inner-product search)")
-    from retromae_ds.eval.run import evaluate_beir
-
-    tasks = {"built-in (docstring summary -> body)": task}
-    for folder in beir or ([str(DEFAULT_SCIFACT)] if DEFAULT_SCIFACT.is_dir() else []):
-        tasks[Path(folder).name] = Path(folder)
-    results = {}
-    for name, folder in tasks.items():
-        for label, model in (("untrained", baseline_dir), ("RetroMAE", encoder_dir)):
-            r = evaluate_beir(
-                str(model), str(folder), "test", max_length=128, progress=False, verbose=False
-            )
-            results[(name, label)] = r["metrics"]
-
-    lines = [
-        f"pre-training: {steps} steps, loss {first['loss']:.2f} -> {last['loss']:.2f} "
-        f"(MLM {first['mlm_loss']:.2f} -> {last['mlm_loss']:.2f}, decoder {first['decoder_loss']:.2f} -> "
-        f"{last['decoder_loss']:.2f}), {last['tokens_per_s']:,.0f} tokens/s",
+    cfg = quick_config(str(out))
+    cfg.pretrain_inputs = [str(task / "corpus.jsonl")]
+    cfg.finetune_beir = str(task)
+    cfg.extra_beir = list(beir or [])
+    cfg.workers = workers
+    cfg.pretrain_steps = {"scratch": steps}
+    cfg.finetune_steps = {"scratch": finetune_steps}
+    if seeds is not None:
+        cfg.seeds = list(seeds)
+    cfg.__post_init__()
+    study = Study(cfg)
+    print(
+        f"quick protocol: {', '.join(cfg.objectives)} × seeds {cfg.seeds}; pre-training "
+        f"{steps} steps of {cfg.pretrain_batch['scratch']} × {cfg.max_length} tokens; "
+        f"fine-tuning {finetune_steps} steps",
+        flush=True,
+    )
+    rows = study.run()
+    notes = [
+        "The built-in task: docstring summary line -> its body, over the stdlib docstrings and "
+        "pydoc topics (retromae_ds/data/builtin_corpus.py).",
         "",
-        "| task | encoder | nDCG@10 | MRR@10 | Recall@100 |",
-        "|---|---|---|---|---|",
+        f"Wall time: {time.perf_counter() - t0:.0f} s.",
     ]
-    for (name, label), m in results.items():
-        lines.append(
-            f"| {name} | {label} | {m['ndcg@10']:.4f} | {m['mrr@10']:.4f} | {m['recall@100']:.4f} |"
-        )
-    report = "\n".join(lines)
-    print(report)
-    (out / "results.md").write_text(report + "\n")
-    summary = {
-        "documents": manifest["counts"]["documents"],
-        "steps": steps,
-        "first": first,
-        "last": last,
-        "results": [{"task": n, "encoder": e, **m} for (n, e), m in results.items()],
-    }
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"demo done in {time.perf_counter() - t0:.0f}s; encoder in {encoder_dir}, report in {out / 'results.md'}"
+    body = report(
+        rows, out, "retromae-ds demo: the quick protocol", command, study.pretraining(), notes
     )
-    return summary
-
-
-def _untrained_twin(folder: Path, trained: Path) -> Path:
-    """The same architecture and tokenizer, randomly initialised: the zero-shot floor."""
-    from transformers import AutoConfig, AutoModel, AutoTokenizer
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModel.from_config(AutoConfig.from_pretrained(str(trained)))
-    model.save_pretrained(str(folder), safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(trained)).save_pretrained(str(folder))
-    return folder
+    print(body)
+    print(
+        f"demo done in {time.perf_counter() - t0:.0f}s; report {out / 'study.md'}, plot "
+        f"{out / 'study.png'}, encoders under {out / 'cells'}",
+        flush=True,
+    )
+    return {"rows": rows, "aggregate": aggregate(rows), "pretraining": study.pretraining()}

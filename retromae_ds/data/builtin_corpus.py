@@ -96,16 +96,27 @@ def split_for_retrieval(
     return corpus, queries, qrels
 
 
-def write_beir(folder: str | os.PathLike, corpus: list[dict], queries: list[dict], qrels) -> Path:
-    """Write a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv)."""
+def write_beir(
+    folder: str | os.PathLike, corpus: list[dict], queries: list[dict], qrels, train_qrels=()
+) -> Path:
+    """Write a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv and, with
+    ``train_qrels``, qrels/train.tsv); each file appears complete or not at all."""
     folder = Path(folder)
     (folder / "qrels").mkdir(parents=True, exist_ok=True)
-    for name, rows in (("corpus.jsonl", corpus), ("queries.jsonl", queries)):
-        with open(folder / name, "w", encoding="utf-8") as f:
+    files = {"corpus.jsonl": corpus, "queries.jsonl": queries}
+    for name, rows in files.items():
+        tmp = folder / (name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    with open(folder / "qrels" / "test.tsv", "w", encoding="utf-8") as f:
-        f.write("query-id\tcorpus-id\tscore\n")
-        for qid, did in qrels:
-            f.write(f"{qid}\t{did}\t1\n")
+        os.replace(tmp, folder / name)
+    for split, pairs in (("test", qrels), ("train", train_qrels)):
+        if split == "train" and not pairs:
+            continue
+        tmp = folder / "qrels" / f"{split}.tsv.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("query-id\tcorpus-id\tscore\n")
+            for qid, did in pairs:
+                f.write(f"{qid}\t{did}\t1\n")
+        os.replace(tmp, folder / "qrels" / f"{split}.tsv")
     return folder
