@@ -328,6 +328,9 @@ def _gather_rank(rank: int, world: int, port: int, out) -> None:
     dist.all_gather(losses, loss.detach())
     if rank == 0:
         out.put((grads.numpy(), float(torch.stack(losses).mean())))
+    # both ranks done with every collective before either tears gloo down (without it, a
+    # rank tearing down while its peer's last collective completes can abort: seen once in CI)
+    dist.barrier()
     dist.destroy_process_group()
 
 
