@@ -90,19 +90,18 @@ def run_demo(
         flush=True,
     )
     rows = study.run()
+    pretraining = study.pretraining()
     notes = [
         "The built-in task: docstring summary line -> its body, over the stdlib docstrings and "
         "pydoc topics (retromae_ds/data/builtin_corpus.py).",
         "",
         f"Wall time: {time.perf_counter() - t0:.0f} s.",
     ]
-    body = report(
-        rows, out, "retromae-ds demo: the quick protocol", command, study.pretraining(), notes
-    )
+    body = report(rows, out, "retromae-ds demo: the quick protocol", command, pretraining, notes)
     print(body)
     print(
         f"demo done in {time.perf_counter() - t0:.0f}s; report {out / 'study.md'}, plot "
         f"{out / 'study.png'}, encoders under {out / 'cells'}",
         flush=True,
     )
-    return {"rows": rows, "aggregate": aggregate(rows), "pretraining": study.pretraining()}
+    return {"rows": rows, "aggregate": aggregate(rows), "pretraining": pretraining}
