@@ -32,12 +32,13 @@ import torch
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import engine as eng
 from retromae_ds.config import build_config, to_dict
-from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator, SpecialIds
+from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+from retromae_ds.tokens import SpecialIds
 
 EXIT_REQUEUE = 85
 """Exit status of a run stopped by a stop signal after its checkpoint was completed: resume

@@ -21,9 +21,9 @@ import pyarrow as pa
 import torch
 
 from retromae_ds.data import schema
-from retromae_ds.data.collate import SpecialIds
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.tokens import SpecialIds
 
 READY = "READY"
 

@@ -41,9 +41,9 @@ from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import STRATEGIES, mine
 from retromae_ds.ance.model import load_body, load_settings
-from retromae_ds.data.collate import SpecialIds
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
+from retromae_ds.tokens import SpecialIds
 
 FINISHED = "FINISHED"
 

@@ -21,51 +21,14 @@ the reference attention path (``retromae_ds.masks.two_stream_visible_dense``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from retromae_ds.masks import MASK32, hash3, row_seeds, threshold
+from retromae_ds.tokens import IGNORE, SpecialIds
 
-IGNORE = -100
 STREAM_WORDS, STREAM_REPLACE, STREAM_RANDOM, STREAM_DECODER = 1, 2, 3, 4
-
-
-@dataclass(frozen=True)
-class SpecialIds:
-    cls: int
-    sep: int
-    pad: int
-    mask: int
-    all: tuple[int, ...]
-    vocab_size: int
-
-    @classmethod
-    def from_fingerprint(cls, fp: dict[str, Any]) -> SpecialIds:
-        ids = fp["special_token_ids"]
-        cls_id = ids.get("cls", ids.get("bos"))
-        sep_id = ids.get("sep", ids.get("eos"))
-        missing = [
-            n
-            for n, v in (
-                ("cls", cls_id),
-                ("sep", sep_id),
-                ("pad", ids.get("pad")),
-                ("mask", ids.get("mask")),
-            )
-            if v is None
-        ]
-        if missing:
-            raise ValueError(f"tokenizer lacks special tokens needed for pre-training: {missing}")
-        return cls(
-            cls_id,
-            sep_id,
-            ids["pad"],
-            ids["mask"],
-            tuple(sorted(set(ids.values()))),
-            fp["vocab_size"],
-        )
 
 
 @dataclass(kw_only=True)

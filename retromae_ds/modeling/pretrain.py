@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from retromae_ds.attention import TwoStreamSpec, WindowSpec
-from retromae_ds.data.collate import IGNORE
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import encode, mlm_head
+from retromae_ds.tokens import IGNORE
 
 OBJECTIVES = ("retromae", "seed", "mlm")
 
