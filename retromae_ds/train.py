@@ -31,6 +31,7 @@ import torch
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import engine as eng
+from retromae_ds import faults
 from retromae_ds.config import build_config, to_dict
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
@@ -341,8 +342,7 @@ def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
             staging, dist.rank, {"sampler": sampler.state_dict(), "rng": ckpt.rng_state()}
         )
         _save_encoder(engine, staging / "encoder", cfg.data.shards)
-        if os.environ.get("RETROMAE_DS_TEST_CRASH_IN_SAVE") == str(at_step):
-            os._exit(17)  # test hook: die with the checkpoint half-published
+        faults.crash("crash_in_save_at_step", at_step)  # dies with the checkpoint half-published
         eng.barrier()
         if dist.rank == 0:
             marker = {
@@ -359,7 +359,6 @@ def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
     t_last = time.perf_counter()
     micro = 0
     stopping = False
-    step_sleep = float(os.environ.get("RETROMAE_DS_TEST_STEP_SLEEP_S", 0))  # test hook: slow steps
     while step < max_steps:
         collator.epoch = sampler.epoch
         for batch in loader:
@@ -383,8 +382,7 @@ def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
             if micro % cfg.grad_accum:
                 continue
             step += 1
-            if step_sleep:
-                time.sleep(step_sleep)
+            faults.pause("sleep_after_step_s")
             # every rank calls the all-reduce at every step, so all stop at the same step
             stopping = bool(stop.signals) and eng.any_rank(stop.received is not None, dist.device)
             if step % cfg.log_every == 0 or step == max_steps:

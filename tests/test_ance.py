@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import mine
@@ -399,7 +400,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
 
     proc = subprocess.Popen(
         _refresh_cmd(run, "--max_versions", "1"),
-        env={**ENV, "RETROMAE_DS_TEST_ENCODE_SLEEP_S": "0.1"},
+        env={**ENV, **faults.env(sleep_after_encode_batch_s=0.1)},
         stderr=subprocess.PIPE,
         text=True,
     )

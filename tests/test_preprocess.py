@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from retromae_ds import faults
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.sources import InputError, SourceOptions
@@ -271,7 +272,7 @@ def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "retromae_ds.cli", *args],
         cwd=REPO,
-        env={**os.environ, "RETROMAE_DS_TEST_DELAY_BEFORE_RENAME": "0.5"},
+        env={**os.environ, **faults.env(sleep_before_shard_rename_s=0.5)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -316,7 +317,7 @@ def test_a_worker_killed_mid_shard_fails_the_run_instead_of_hanging(tmp_path, to
     proc = subprocess.Popen(
         [sys.executable, "-m", "retromae_ds.cli", *args],
         cwd=REPO,
-        env={**os.environ, "RETROMAE_DS_TEST_DELAY_BEFORE_RENAME": "0.5"},
+        env={**os.environ, **faults.env(sleep_before_shard_rename_s=0.5)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

@@ -27,6 +27,7 @@ import pytest
 from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes, wait_for
 
 from retromae_ds import checkpoint as ckpt
+from retromae_ds import faults
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.train import EXIT_REQUEUE
 
@@ -220,7 +221,7 @@ def test_signal_checkpoints_requeues_and_resumes_exactly(one_node, tmp_path, sha
         shards,
         "--nodes=1",
         "--ntasks=2",
-        env={"RETROMAE_DS_TEST_STEP_SLEEP_S": "0.3"},
+        env=faults.env(sleep_after_step_s=0.3),
     )
     wait_while_running(one_node, job, lambda: len(metrics(run)) >= 3, "step 3", run)
     # what Slurm does at the time-limit warning of --signal=B:USR1@lead: USR1 to the batch shell
@@ -256,7 +257,7 @@ def test_rank_killed_fails_the_job_in_bounded_time(one_node, tmp_path, shards, r
         "--nodes=1",
         "--ntasks=2",
         extra=("--checkpoint.every_steps", "2"),
-        env={"RETROMAE_DS_TEST_STEP_SLEEP_S": "0.3"},
+        env=faults.env(sleep_after_step_s=0.3),
     )
 
     def checkpoint_at_least_4():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from retromae_ds import checkpoint as ckpt
+from retromae_ds import faults
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
 from synthetic import synthetic_texts
@@ -216,7 +217,7 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, synthetic_s
         "2",
     ]
     result = pretrain(
-        run, synthetic_shards, *common, env={"RETROMAE_DS_TEST_CRASH_IN_SAVE": "4"}, check=False
+        run, synthetic_shards, *common, env=faults.env(crash_in_save_at_step=4), check=False
     )
     assert result.returncode == 17, result.stderr[-3000:]
     root = run / "checkpoints"
@@ -405,7 +406,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
-        "RETROMAE_DS_TEST_STEP_SLEEP_S": "0.3",  # test hook: time to signal mid-run
+        **faults.env(sleep_after_step_s=0.3),  # time to signal mid-run
     }
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in (0, 1)]  # noqa: SIM115
     ranks = [

@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from retromae_ds import checkpoint as ckpt
+from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import STRATEGIES, mine
@@ -117,7 +118,6 @@ def encode_rows(
     """
     device = next(model.parameters()).device
     out = np.empty((len(rows), model.config.hidden_size), dtype=np.float32)
-    sleep_s = float(os.environ.get("RETROMAE_DS_TEST_ENCODE_SLEEP_S", 0))  # test hook
     was_training = model.training
     model.eval()
     window = batch_size * 64
@@ -139,8 +139,7 @@ def encode_rows(
                     emb = torch.nn.functional.normalize(emb, dim=-1)
                 out[w0 + sel] = emb.cpu().numpy()
                 bar.update(len(sel))
-                if sleep_s:
-                    time.sleep(sleep_s)
+                faults.pause("sleep_after_encode_batch_s")
     model.train(was_training)
     return out
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from retromae_ds import faults
 from retromae_ds.data import schema
 from retromae_ds.data.sources import (
     InputError,
@@ -154,9 +155,7 @@ def _process_unit(unit: Unit) -> dict[str, Any]:
         writer.write_batch(batch)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    delay = float(os.environ.get("RETROMAE_DS_TEST_DELAY_BEFORE_RENAME", "0"))
-    if delay:  # test hook: widens the window in which a kill lands mid-shard
-        time.sleep(delay)
+    faults.pause("sleep_before_shard_rename_s")  # widens the window a kill lands mid-shard
     os.replace(tmp, final)
     record = {
         "unit": unit.index,
