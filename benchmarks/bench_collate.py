@@ -160,11 +160,11 @@ def real_stream(args, scratch: Path):
     """(ids, word_starts, vocab, special) of WikiText-2 test, as our shards hold it."""
     import numpy as np
 
-    from retromae_ds.data.collate import SpecialIds
     from retromae_ds.data.dataset import ShardDataset
     from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
     from retromae_ds.data.sources import InputError, SourceOptions, expand_inputs
     from retromae_ds.data.tokenizer import load_tokenizer
+    from retromae_ds.tokens import SpecialIds
 
     wiki = Path(args.data) / common.WIKI
     if not wiki.exists():
@@ -199,7 +199,7 @@ def synthetic_stream(tokens: int, seed: int):
     """Random WordPiece-like ids: ids >= 20000 are '##' continuations, ~78 % word starts."""
     import numpy as np
 
-    from retromae_ds.data.collate import SpecialIds
+    from retromae_ds.tokens import SpecialIds
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab += [f"w{k}" for k in range(5, 20000)] + [f"##p{k}" for k in range(20000, 30522)]
@@ -277,8 +277,8 @@ def effective_shares(original: dict, ours: dict, ours_visible) -> dict[str, floa
 
 def measure_length(args, L: int, B: int, items, vocab, special):
     """Time every method on one batch of ``items`` at length L; (measurements, shares)."""
+    from retromae_ds.attention.rules import two_stream_visible_dense
     from retromae_ds.data.collate import MaskingConfig, PretrainCollator
-    from retromae_ds.masks import two_stream_visible_dense
 
     examples = [{"token_ids": row.tolist()} for _, row, _ in items]  # as a datasets row
     ours = PretrainCollator(special, MaskingConfig(), max_length=L, seed=args.seed)

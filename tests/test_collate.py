@@ -21,17 +21,12 @@ import torch.utils.data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.data.collate import (
-    IGNORE,
-    IndexedSamples,
-    MaskingConfig,
-    PretrainCollator,
-    SpecialIds,
-)
+from retromae_ds.attention.rules import two_stream_visible_dense
+from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.tokenizer import fingerprint
-from retromae_ds.masks import two_stream_visible_dense
+from retromae_ds.tokens import IGNORE, SpecialIds
 
 from synthetic import synthetic_texts
 

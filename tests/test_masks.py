@@ -1,4 +1,5 @@
-"""Tests of the counter-based hash and the RetroMAE two-stream visibility (``retromae_ds.masks``).
+"""Tests of the counter-based hash (``retromae_ds.hashing``) and the RetroMAE two-stream
+visibility (``retromae_ds.attention.rules``).
 
 Cheapest first: ``mix32``/``hash3`` against a plain Python-int lowbias32 written here (and numpy
 against torch), ``threshold`` at its edges, the hash's uniformity; then the B×L×L visibility on
@@ -19,8 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.data.collate import MaskingConfig, PretrainCollator, SpecialIds
-from retromae_ds.masks import MASK32, hash3, mix32, threshold, two_stream_visible_dense
+from retromae_ds.attention.rules import two_stream_visible_dense
+from retromae_ds.data.collate import MaskingConfig, PretrainCollator
+from retromae_ds.hashing import MASK32, hash3, mix32, threshold
+from retromae_ds.tokens import SpecialIds
 
 FEW = settings(max_examples=40, deadline=None)
 SOME = settings(max_examples=100, deadline=None)
@@ -441,10 +444,10 @@ def test_flex_mask_mod_equals_the_collators_reference_mask_bit_for_bit(items, se
 @SOME
 @given(xs=st.lists(u32, min_size=1, max_size=300))
 def test_int32_mix_equals_the_int64_mix(xs):
-    from retromae_ds.masks import _as_int32_bits, keep_int32, mix32_int32_
+    from retromae_ds.hashing import as_int32_bits, keep_int32, mix32_int32_
 
     x = torch.tensor(xs, dtype=torch.int64)
-    h = mix32_int32_(_as_int32_bits(x))
+    h = mix32_int32_(as_int32_bits(x))
     assert torch.equal(h.long() & MASK32, mix32(x))
     for ratio in (0.0, 0.3, 0.5, 1.0):
         assert torch.equal(keep_int32(h, ratio), mix32(x) >= threshold(ratio))

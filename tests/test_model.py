@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from retromae_ds.data.collate import MaskingConfig, PretrainCollator, SpecialIds
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
 
-SPECIAL = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=60)
+from helpers_model import batch_of, layer_norm
 
 
 def py_mix32(x: int) -> int:
@@ -36,20 +34,6 @@ def py_visible(seed: int, i: int, j: int, word_j: int, length: int, ratio: float
     h = py_mix32(h ^ i)
     h = py_mix32(h ^ word_j)
     return h >= round(ratio * 2**32)
-
-
-def batch_of(rows: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    items = []
-    for index, n in enumerate(rows):
-        ids = rng.integers(5, SPECIAL.vocab_size, n).astype(np.int32)
-        starts = (rng.random(n) < 0.6).astype(np.uint8)
-        items.append((index, ids, starts))
-    return PretrainCollator(SPECIAL, MaskingConfig(), 64)(items)
-
-
-def layer_norm(x, ln):
-    return F.layer_norm(x, x.shape[-1:], ln.weight, ln.bias, ln.eps)
 
 
 def reference_loss(model: PretrainModel, batch: dict[str, torch.Tensor]) -> tuple[float, float]:

@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_model import SPECIAL, batch_of, layer_norm
 
-from retromae_ds.masks import window_visible_dense
+from retromae_ds.attention.rules import window_visible_dense
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+
+from helpers_model import SPECIAL, batch_of, layer_norm
 
 
 def visible_positions(t: int, length: int, window: int | None) -> list[int]:

@@ -11,6 +11,7 @@ may see (a rule, never a stored L×L mask) and ``backend`` says *how* it is comp
   analytic block masks (CUDA: forward + backward; CPU: forward only, torch 2.13).
 
 ``auto`` picks per device and rule; every fast path is held against ``reference`` in tests.
+The rules themselves are in ``rules``; ``specs`` carries their O(B·L) inputs per batch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FlexAttention backend: the decoder rules as ``mask_mod`` functions plus analytic block masks.
 
 - Two-stream (RetroMAE): the ``mask_mod`` recomputes visibility from O(B·L) tensors: a
-  per-(row, query) hash prefix (``masks.two_stream_row_hash``, derived from the row's seed),
+  per-(row, query) hash prefix (``hashing.two_stream_row_hash``, derived from the row's seed),
   the word ids and the lengths. One ``mix32`` per (query, key) inside the kernel; no L×L
   tensor exists. (Feeding the full three-round ``hash3`` to the CPU compiler made Inductor's
   code generation run for more than 15 minutes here; with the prefix table it compiles in
@@ -10,7 +10,8 @@
   blocks holding the previous k positions, so almost every block is skipped.
 - Block masks are computed from the rule at block granularity (B×nQ×nK integers), never by
   evaluating the rule on every (query, key) pair the way ``create_block_mask`` does, and built
-  once per batch: they are cached on the spec, which all decoder layers of a batch share.
+  once per batch: ``MaskSpec.block_mask`` keeps them on the spec, which all decoder layers of a
+  batch share.
 
 FlexAttention in torch 2.13 has a compiled forward on CPU but no backward there; this backend
 therefore refuses CPU inputs that require gradients (``auto`` picks ``chunked`` for training on
@@ -24,7 +25,7 @@ import functools
 import torch
 
 from retromae_ds.attention.specs import MaskSpec, TwoStreamSpec, WindowSpec
-from retromae_ds.masks import MASK32, mix32, threshold, two_stream_row_hash
+from retromae_ds.hashing import MASK32, mix32, threshold, two_stream_row_hash
 
 BLOCK = 128
 
@@ -118,15 +119,6 @@ def build_block_mask(spec: MaskSpec, L: int, device: torch.device, block: int = 
     )
 
 
-def cached_block_mask(spec: MaskSpec, L: int, device: torch.device):
-    """``build_block_mask`` once per (spec, L, device): the layers of one batch share it."""
-    key = (L, str(device))
-    cache = spec.__dict__.setdefault("_block_masks", {})
-    if key not in cache:
-        cache[key] = build_block_mask(spec, L, device)
-    return cache[key]
-
-
 @functools.cache
 def _compiled_flex(device_type: str):
     """Compiled ``flex_attention``. On CPU with static shapes: Inductor's CPU template for
@@ -147,5 +139,5 @@ def flex_attention_backend(
             "'chunked' or 'window' for CPU training ('auto' chooses for you)"
         )
     L = k_BHLD.shape[2]
-    block_mask = cached_block_mask(spec, L, q_BHLD.device)
+    block_mask = spec.block_mask(L, q_BHLD.device, build_block_mask)  # once per batch
     return _compiled_flex(q_BHLD.device.type)(q_BHLD, k_BHLD, v_BHLD, block_mask=block_mask)

@@ -15,7 +15,7 @@ Decoder (RetroMAE): ``original_ids`` (unmasked input, for the key/value stream),
 ``decoder_labels`` (every real token except specials), and what the attention needs to
 *compute* position-specific visibility: ``word_ids`` (CLS 0, words 1.., SEP its own word,
 padding -1), ``lengths`` and a per-row ``decoder_seed``. The B×L×L mask itself is built only by
-the reference attention path (``retromae_ds.masks.two_stream_visible_dense``).
+the reference attention path (``retromae_ds.attention.rules.two_stream_visible_dense``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retromae_ds.masks import MASK32, hash3, row_seeds, threshold
+from retromae_ds.hashing import MASK32, hash3, row_seeds, threshold
 from retromae_ds.tokens import IGNORE, SpecialIds
 
 STREAM_WORDS, STREAM_REPLACE, STREAM_RANDOM, STREAM_DECODER = 1, 2, 3, 4

@@ -6,7 +6,7 @@ with "enhanced decoding":
 
 - query stream  H1[i] = embeddings(inputs_embeds = sentence embedding)[i] (adds position i);
 - key/value stream H2 = [sentence embedding; embeddings(unmasked original tokens)[1:]];
-- position-specific visibility (``retromae_ds.masks``), computed by the attention backend.
+- position-specific visibility (``retromae_ds.attention.rules``), computed by the attention backend.
 
 SEED-Encoder (Lu et al. 2021): loss = w_mlm · MLM + w_dec · autoregressive reconstruction by a
 weak decoder of ``decoder_layers`` layers (default 3). Decoder position 0 holds the sentence

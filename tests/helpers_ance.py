@@ -1,0 +1,91 @@
+"""Small BEIR collections, a tiny encoder and the subprocess environment for the ANCE tests.
+
+Shared by ``test_ance``, ``test_finetune``, ``test_slurm``, ``test_study`` and
+``benchmarks/bench_ance.py``: a synthetic BEIR folder whose positives BM25 ranks high, a
+randomly initialised 2-layer BERT saved with the test tokenizer, a fixed slice of SciFact, and
+the environment that runs the package's command-line tools on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from synthetic import synthetic_texts
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {
+    **os.environ,
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def write_synthetic_beir(folder: Path, num_docs: int = 80, num_queries: int = 24) -> Path:
+    """Documents from the synthetic generator (some empty); query i has positives d{3i} and
+    d{3i+1} (relevance 2 and 1), a judged non-relevant d{3i+2} (relevance 0), and its text is
+    taken from its first positive, so BM25 ranks the positives high."""
+    (folder / "qrels").mkdir(parents=True)
+    texts = synthetic_texts(num_docs, seed=5, max_words=30)
+    with open(folder / "corpus.jsonl", "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n")
+    lines = ["query-id\tcorpus-id\tscore"]
+    with open(folder / "queries.jsonl", "w") as f:
+        for q in range(num_queries):
+            words = (texts[3 * q] or texts[3 * q + 1] or "retrieval").split()[:6]
+            f.write(json.dumps({"_id": f"q{q}", "text": " ".join(words)}) + "\n")
+            lines += [f"q{q}\td{3 * q}\t2", f"q{q}\td{3 * q + 1}\t1", f"q{q}\td{3 * q + 2}\t0"]
+    (folder / "qrels" / "train.tsv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def write_tiny_encoder(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer BERT (no dropout) with the test tokenizer."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=tok.pad_token_id,
+    )
+    BertModel(config).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def scifact_slice(src: Path, dst: Path, extra_docs: int) -> Path:
+    """Every document judged in train or test, plus ``extra_docs`` others (fixed seed)."""
+    judged = set()
+    for split in ("train", "test"):
+        for line in (src / "qrels" / f"{split}.tsv").read_text().splitlines()[1:]:
+            judged.add(line.split("\t")[1])
+    lines = (src / "corpus.jsonl").read_text().splitlines()
+    others = [i for i, line in enumerate(lines) if json.loads(line)["_id"] not in judged]
+    keep = set(random.Random(0).sample(others, extra_docs))
+    (dst / "qrels").mkdir(parents=True)
+    (dst / "corpus.jsonl").write_text(
+        "".join(
+            line + "\n"
+            for i, line in enumerate(lines)
+            if i in keep or json.loads(line)["_id"] in judged
+        )
+    )
+    shutil.copy(src / "queries.jsonl", dst / "queries.jsonl")
+    for split in ("train", "test"):
+        shutil.copy(src / "qrels" / f"{split}.tsv", dst / "qrels" / f"{split}.tsv")
+    return dst
