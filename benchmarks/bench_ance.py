@@ -137,9 +137,9 @@ def bench_index(args) -> tuple[list[dict], dict]:
 
 def bench_trainer(args, scratch: Path) -> list[dict]:
     sys.path.insert(0, str(common.REPO / "tests"))
-    from test_finetune import _scifact_slice
+    from helpers_ance import scifact_slice
 
-    beir = _scifact_slice(Path(args.data) / "scifact", scratch / "slice", extra_docs=300)
+    beir = scifact_slice(Path(args.data) / "scifact", scratch / "slice", extra_docs=300)
     model_dir = common.default_tokenizer_dir()
     results = []
     for name, extra in (

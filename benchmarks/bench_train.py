@@ -40,10 +40,12 @@ def _imports(device: str):
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from retromae_ds import engine
-    from retromae_ds.data.collate import MaskingConfig, PretrainCollator, SpecialIds
+    from retromae_ds.data.collate import MaskingConfig, PretrainCollator
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
     from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
-    from retromae_ds.train import OptimConfig, build_optimizer
+    from retromae_ds.tokens import SpecialIds
+    from retromae_ds.training.config import OptimConfig
+    from retromae_ds.training.optim import build_optimizer
 
     return (
         engine,

@@ -18,18 +18,7 @@ from pathlib import Path
 import torch
 
 from retromae_ds import checkpoint as ckpt
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    path = Path(path)
-    if (path / ckpt.MARKER).is_file():
-        return path
-    latest = ckpt.latest_complete(path / "checkpoints") or ckpt.latest_complete(path)
-    if latest is None:
-        raise FileNotFoundError(
-            f"{path}: neither a complete checkpoint nor a run folder holding one"
-        )
-    return latest
+from retromae_ds.layout import ENCODER
 
 
 def export_encoder(checkpoint: str | Path, out: str | Path, pooling: str = "cls") -> Path:
@@ -38,7 +27,7 @@ def export_encoder(checkpoint: str | Path, out: str | Path, pooling: str = "cls"
 
     if pooling not in ("cls", "mean"):
         raise ValueError(f"pooling must be 'cls' or 'mean', not {pooling!r}")
-    source = find_checkpoint(checkpoint) / "encoder"
+    source = ckpt.resolve_checkpoint(checkpoint) / ENCODER
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")
     out = Path(out)

@@ -1,6 +1,6 @@
 """ANCE pieces: mining never returns a positive, the negatives hand-off under a concurrent
 reader, gathered in-batch negatives against a single-process big batch (two gloo ranks), and
-the refresher killed mid-encode and restarted. Helpers here are shared with test_finetune."""
+the refresher killed mid-encode and restarted. Shared helpers live in helpers_ance."""
 
 from __future__ import annotations
 
@@ -23,60 +23,12 @@ from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import mine
+from retromae_ds.layout import RunLayout
 
-from synthetic import synthetic_texts
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from helpers_ance import ENV, write_synthetic_beir, write_tiny_encoder
 
 
 # --------------------------------------------------------------------------- helpers
-def write_synthetic_beir(folder: Path, num_docs: int = 80, num_queries: int = 24) -> Path:
-    """Documents from the synthetic generator (some empty); query i has positives d{3i} and
-    d{3i+1} (relevance 2 and 1), a judged non-relevant d{3i+2} (relevance 0), and its text is
-    taken from its first positive, so BM25 ranks the positives high."""
-    (folder / "qrels").mkdir(parents=True)
-    texts = synthetic_texts(num_docs, seed=5, max_words=30)
-    with open(folder / "corpus.jsonl", "w") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"_id": f"d{i}", "title": "", "text": text}) + "\n")
-    lines = ["query-id\tcorpus-id\tscore"]
-    with open(folder / "queries.jsonl", "w") as f:
-        for q in range(num_queries):
-            words = (texts[3 * q] or texts[3 * q + 1] or "retrieval").split()[:6]
-            f.write(json.dumps({"_id": f"q{q}", "text": " ".join(words)}) + "\n")
-            lines += [f"q{q}\td{3 * q}\t2", f"q{q}\td{3 * q + 1}\t1", f"q{q}\td{3 * q + 2}\t0"]
-    (folder / "qrels" / "train.tsv").write_text("\n".join(lines) + "\n")
-    return folder
-
-
-def write_tiny_encoder(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A randomly initialised 2-layer BERT (no dropout) with the test tokenizer."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=tok.pad_token_id,
-    )
-    BertModel(config).save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    return folder
-
-
 def prepared_set(root: Path, beir: Path, tokenizer_dir: Path) -> Path:
     return ance_data.prepare(
         beir, "train", tokenizer_dir, root, q_max_len=16, p_max_len=32, progress=False
@@ -151,7 +103,8 @@ def test_top_strategy_skips_the_first_non_positives():
 
 
 def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
-    from retromae_ds.ance.refresher import RefreshConfig, publish_bm25
+    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.refresh_config import RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(tmp_path / "data", beir, tokenizer_dir))
@@ -159,7 +112,7 @@ def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
     assert ts.num_passages < 80 and all(len(p) >= 1 for p in ts.positives)
     assert max(len(p) for p in ts.positives) == 2  # relevance 0 is not a positive
     manifest = publish_bm25(
-        RefreshConfig(run_dir=str(tmp_path / "run"), num_negatives=4, progress=False), ts
+        RefreshConfig(num_negatives=4, progress=False), ts, tmp_path / "run" / "negatives"
     )
     assert manifest["version"] == 0 and manifest["step"] == 0 and manifest["source"] == "bm25"
     neg = handoff.load_current(tmp_path / "run" / "negatives")
@@ -388,12 +341,13 @@ def _refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
-    from retromae_ds.ance.refresher import RefreshConfig, publish_bm25
+    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.refresh_config import RefreshConfig
 
     run = tmp_path / "run"
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(run / "data", beir, tokenizer_dir))
-    publish_bm25(RefreshConfig(run_dir=str(run), num_negatives=3, progress=False), ts)
+    publish_bm25(RefreshConfig(num_negatives=3, progress=False), ts, RunLayout(run).negatives)
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
     fake_checkpoint(run, 5, encoder)
     root = run / "negatives"
@@ -457,12 +411,13 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
 def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path, tokenizer_dir):
     import shutil
 
-    from retromae_ds.ance.refresher import RefreshConfig, publish_bm25
+    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.refresh_config import RefreshConfig
 
     one, two = tmp_path / "one", tmp_path / "two"
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(one / "data", beir, tokenizer_dir))
-    publish_bm25(RefreshConfig(run_dir=str(one), num_negatives=3, progress=False), ts)
+    publish_bm25(RefreshConfig(num_negatives=3, progress=False), ts, RunLayout(one).negatives)
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir, seed=3)
     fake_checkpoint(one, 4, encoder)
     shutil.copytree(one, two)

@@ -5,20 +5,19 @@ SciFact with the local refresher, against the un-fine-tuned model measured in th
 from __future__ import annotations
 
 import json
-import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import mine
+
+from helpers_ance import ENV, REPO, scifact_slice, write_synthetic_beir, write_tiny_encoder
 
 
 def finetune(run_dir: Path, *overrides: str, ranks: int = 1, timeout: int = 600):
@@ -103,29 +102,6 @@ def test_two_ranks_without_refresher_swap_at_a_step_boundary_and_exact_resume(
     assert ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["negatives_version"] == 1
 
 
-def _scifact_slice(src: Path, dst: Path, extra_docs: int) -> Path:
-    """Every document judged in train or test, plus ``extra_docs`` others (fixed seed)."""
-    judged = set()
-    for split in ("train", "test"):
-        for line in (src / "qrels" / f"{split}.tsv").read_text().splitlines()[1:]:
-            judged.add(line.split("\t")[1])
-    lines = (src / "corpus.jsonl").read_text().splitlines()
-    others = [i for i, line in enumerate(lines) if json.loads(line)["_id"] not in judged]
-    keep = set(random.Random(0).sample(others, extra_docs))
-    (dst / "qrels").mkdir(parents=True)
-    (dst / "corpus.jsonl").write_text(
-        "".join(
-            line + "\n"
-            for i, line in enumerate(lines)
-            if i in keep or json.loads(line)["_id"] in judged
-        )
-    )
-    shutil.copy(src / "queries.jsonl", dst / "queries.jsonl")
-    for split in ("train", "test"):
-        shutil.copy(src / "qrels" / f"{split}.tsv", dst / "qrels" / f"{split}.tsv")
-    return dst
-
-
 @pytest.fixture
 def minilm_dir() -> Path:
     import importlib.util
@@ -144,7 +120,7 @@ def test_finetune_with_local_refresher_beats_the_untuned_model_on_scifact(
 
     if not (shared_data / "scifact" / "qrels" / "train.tsv").is_file():
         pytest.skip("SciFact (with its train qrels) is absent from the shared data folder")
-    beir = _scifact_slice(shared_data / "scifact", tmp_path / "scifact", extra_docs=100)
+    beir = scifact_slice(shared_data / "scifact", tmp_path / "scifact", extra_docs=100)
     settings = dict(
         pooling="mean",
         normalize=True,

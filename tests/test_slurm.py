@@ -29,7 +29,7 @@ from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.train import EXIT_REQUEUE
+from retromae_ds.training.signals import EXIT_REQUEUE
 
 from synthetic import synthetic_texts
 
@@ -388,9 +388,9 @@ FT_CKPT_EVERY = 10  # has started, were it not held (below)
 def test_finetune_trainer_and_refresher_as_concurrent_steps(one_node, tmp_path, tokenizer_dir):
     """slurm/finetune.sh on 1 node x 2 tasks: 1 trainer task + 1 refresher task, two
     concurrent ``srun --exact`` steps talking through the run folder only."""
-    from test_ance import write_synthetic_beir, write_tiny_encoder
-
     from retromae_ds.ance import handoff
+
+    from helpers_ance import write_synthetic_beir, write_tiny_encoder
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=60, num_queries=20)
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)

@@ -241,11 +241,12 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, synthetic_s
 def test_export_round_trip_matches_training_time_embeddings(tmp_path, synthetic_shards):
     from transformers import AutoModel
 
-    from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator, SpecialIds
+    from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
     from retromae_ds.data.dataset import ShardDataset
     from retromae_ds.export import export_encoder
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
     from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+    from retromae_ds.tokens import SpecialIds
 
     run = tmp_path / "run"
     pretrain(run, synthetic_shards, "--max_steps", "3")
@@ -375,7 +376,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
     import signal
     import time
 
-    from retromae_ds.train import EXIT_REQUEUE
+    from retromae_ds.training.signals import EXIT_REQUEUE
 
     run = tmp_path / "run"
     args = [
@@ -446,7 +447,8 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 
 def test_stop_signals_are_validated(synthetic_shards):
     from retromae_ds.config import build_config
-    from retromae_ds.train import TrainConfig, signal_number
+    from retromae_ds.train import TrainConfig
+    from retromae_ds.training.signals import signal_number
 
     assert signal_number("USR1") == signal_number("SIGUSR1")
     base = ["--data.shards", str(synthetic_shards), "--max_steps", "1"]
@@ -464,7 +466,7 @@ def test_after_a_stop_further_stop_signals_are_ignored():
     a process that did not stop gets its previous handlers back."""
     import signal
 
-    from retromae_ds.train import StopRequested, StopSignals
+    from retromae_ds.training.signals import StopRequested, StopSignals
 
     previous = signal.getsignal(signal.SIGUSR2)
     try:
@@ -502,7 +504,8 @@ def test_encoder_frozen_steps_train_only_the_heads_first(tmp_path, synthetic_sha
     assert any(not torch.equal(s1[k], s2[k]) for k in heads)
     assert any(not torch.equal(s2[k], s3[k]) for k in body)
     with pytest.raises(ValueError, match="encoder_frozen_steps"):
-        from retromae_ds.train import OptimConfig, build_scheduler
+        from retromae_ds.training.config import OptimConfig
+        from retromae_ds.training.optim import build_scheduler
 
         opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(1))], "body": True}])
         build_scheduler(opt, OptimConfig(encoder_frozen_steps=4), 4)

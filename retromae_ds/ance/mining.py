@@ -9,14 +9,23 @@ unlabelled positives), and ``strategy="top"`` takes the next n after ``skip_top`
 with too few candidates is topped up with random passages that are not its positives, so
 every query gets exactly n negatives. Deterministic for a given seed.
 
-``bm25_rankings`` gives the initial ranking with ``bm25s`` (the first negatives version).
+``bm25_rankings`` gives the initial ranking with ``bm25s``; ``publish_bm25`` mines and
+publishes it as the first negatives version of a fine-tuning run.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from retromae_ds.ance.data import TrainingSet
+    from retromae_ds.ance.refresh_config import RefreshConfig
 
 STRATEGIES = ("random", "top")
 
@@ -99,3 +108,49 @@ def bm25_rankings(
     if k_eff < k:
         ids = np.hstack([ids, np.full((len(ids), k - k_eff), -1, dtype=np.int64)])
     return ids
+
+
+def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[str, Any]:
+    """Version 0 (or the next free one) under the negatives folder ``root``: BM25 top-K,
+    positives removed, n sampled with ``cfg``'s mining settings; returns its manifest."""
+    from retromae_ds.ance import data as ance_data
+    from retromae_ds.ance import handoff
+    from retromae_ds.ance.refresh_config import mining_settings
+    from retromae_ds.eval.beir import load_corpus, load_queries
+
+    settings = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
+    t0 = time.perf_counter()
+    doc_ids, texts = load_corpus(Path(settings["beir"]) / "corpus.jsonl")
+    text_of = dict(zip(doc_ids, texts, strict=True))
+    queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
+    ranked = bm25_rankings(
+        [text_of[d] for d in ts.passage_ids],
+        [queries[q] for q in ts.query_ids],
+        cfg.top_k,
+        progress=cfg.progress,
+    )
+    negatives = mine(
+        ranked,
+        ts.positives,
+        cfg.num_negatives,
+        strategy=cfg.strategy,
+        skip_top=cfg.skip_top,
+        seed=cfg.seed,
+        num_passages=ts.num_passages,
+    )
+    root = Path(root)
+    version = handoff.next_version(root)
+    handoff.publish(
+        root,
+        version,
+        negatives,
+        step=0,
+        meta={
+            "source": "bm25",
+            "data": ts.fingerprint(),
+            "settings": mining_settings(cfg),
+            "timings": {"bm25_s": round(time.perf_counter() - t0, 3)},
+        },
+        keep_last=cfg.keep_last,
+    )
+    return json.loads(handoff.manifest_file(root, version).read_text())

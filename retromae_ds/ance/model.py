@@ -1,11 +1,9 @@
 """The dual encoder: query and passage towers (one shared Hugging Face encoder by default),
 pooled sentence embeddings, and the contrastive loss with gathered in-batch negatives.
 
-``resolve_init(path)`` accepts a local Hugging Face encoder folder, a complete pre-training
-or fine-tuning checkpoint, or a run folder (its newest complete checkpoint), and returns the
-encoder folder to load. ``save_encoders`` writes the towers as Hugging Face folders (with the
-tokenizer, sentence-transformers pooling files and ``dual_encoder.json`` naming the pooling),
-which is what the refresher and ``retromae-ds eval`` load.
+``save_encoders`` writes the towers as Hugging Face folders (with the tokenizer,
+sentence-transformers pooling files and ``dual_encoder.json`` naming the pooling), which is
+what the refresher and ``retromae-ds eval`` load.
 """
 
 from __future__ import annotations
@@ -17,31 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.eval.encode import pool
+from retromae_ds.layout import ENCODER, QUERY_ENCODER
 
 SETTINGS_FILE = "dual_encoder.json"
-
-
-def resolve_init(path: str | Path) -> Path:
-    """The Hugging Face folder to initialise from (see the module docstring)."""
-    path = Path(path)
-    if (path / ckpt.MARKER).is_file():
-        folder = path / "encoder"
-    elif (path / "config.json").is_file():
-        folder = path
-    else:
-        latest = ckpt.latest_complete(path / "checkpoints")
-        if latest is None:
-            raise FileNotFoundError(
-                f"{path}: neither a Hugging Face encoder folder, a complete checkpoint, "
-                "nor a run folder holding one"
-            )
-        folder = latest / "encoder"
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no Hugging Face model (config.json) there")
-    return folder
 
 
 def load_body(folder: str | Path) -> nn.Module:
@@ -107,12 +85,14 @@ def save_encoders(
     from retromae_ds.export import write_sentence_transformers_files
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    towers = [("encoder", model.encoder)]
+    towers = [("encoder", ENCODER, model.encoder)]  # (attribute = state prefix, folder, module)
     if model.query_encoder is not None:
-        towers.append(("query_encoder", model.query_encoder))
-    for name, tower in towers:
-        sub = {k.removeprefix(f"{name}."): v for k, v in state.items() if k.startswith(f"{name}.")}
-        out = folder / name
+        towers.append(("query_encoder", QUERY_ENCODER, model.query_encoder))
+    for prefix, sub_folder, tower in towers:
+        sub = {
+            k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")
+        }
+        out = folder / sub_folder
         tower.save_pretrained(str(out), state_dict=sub, safe_serialization=True)
         tokenizer.save_pretrained(str(out))
         write_sentence_transformers_files(

@@ -28,7 +28,6 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,62 +39,13 @@ from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.ance.mining import STRATEGIES, mine
+from retromae_ds.ance.mining import mine
 from retromae_ds.ance.model import load_body, load_settings
+from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
+from retromae_ds.layout import ENCODER, QUERY_ENCODER, RunLayout
 from retromae_ds.tokens import SpecialIds
-
-FINISHED = "FINISHED"
-
-
-@dataclass(kw_only=True)
-class RefreshConfig:
-    run_dir: str = ""
-    """The trainer's run folder (checkpoints/ is read, negatives/ is written)."""
-    data_dir: str = ""
-    """The prepared training data (default RUN/data, written by the trainer)."""
-    top_k: int = 200
-    """Passages retrieved per training query before positives are removed."""
-    num_negatives: int = 8
-    """Negatives written per query (the trainer uses n of them per step)."""
-    strategy: str = "random"
-    """``random``: n drawn from the top-K; ``top``: the n best ranked."""
-    skip_top: int = 0
-    """Skip this many top-ranked non-positives first (likely unlabelled positives)."""
-    index: str = "auto"
-    """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
-    batch_size: int = 128
-    """Texts per forward pass."""
-    device: str = "auto"
-    """auto (CUDA when available), cpu, cuda:1, ..."""
-    bf16: bool = True
-    """Encode under bf16 autocast on CUDA (ignored on CPU unless ``bf16_cpu``)."""
-    bf16_cpu: bool = False
-    """Also encode under bf16 autocast on CPU (≈ 2× faster where the CPU has AVX512-BF16 or
-    AMX; slower where it has neither)."""
-    poll_s: float = 5.0
-    """Seconds between looks for a new checkpoint."""
-    min_new_steps: int = 1
-    """Refresh only from a checkpoint at least this many steps after the last version's."""
-    max_versions: int = 0
-    """Stop after publishing this many versions (0: no limit)."""
-    idle_timeout_s: float = 0.0
-    """Stop after this long without a new checkpoint (0: wait while the trainer runs)."""
-    keep_last: int = 0
-    """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
-    seed: int = 0
-    progress: bool = True
-    timeout_s: int = 1800
-    """Collective timeout between the refresher's own ranks."""
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"refresh.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
-        if self.index not in ("auto", "faiss", "torch"):
-            raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
-        if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
-            raise ValueError("refresh: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
 
 
 # --------------------------------------------------------------------------- encoding
@@ -202,7 +152,8 @@ def refresh_once(
     (rank 0) or None. Every rank calls it."""
     from retromae_ds.index import ExactIndex, merge_topk
 
-    root = Path(cfg.run_dir) / "negatives"
+    layout = RunLayout(cfg.run_dir)
+    root = layout.negatives
     work = root / ".work" / f"v{version}"
     step = ckpt.read_marker(checkpoint)["step"]
     meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
@@ -218,10 +169,10 @@ def refresh_once(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     device = _pick_device(cfg, group.local_rank)
-    encoder_dir = checkpoint / "encoder"
+    encoder_dir = checkpoint / ENCODER
     settings = load_settings(encoder_dir)
     passage_model = load_body(encoder_dir).to(device)
-    query_dir = checkpoint / "query_encoder"
+    query_dir = checkpoint / QUERY_ENCODER
     query_model = load_body(query_dir).to(device) if query_dir.is_dir() else passage_model
     use_bf16 = cfg.bf16 and (device.type == "cuda" or cfg.bf16_cpu)
     amp = torch.bfloat16 if use_bf16 else None
@@ -329,72 +280,19 @@ def refresh_once(
                 "source": "model",
                 "checkpoint": checkpoint.name,
                 "data": ts.fingerprint(),
-                "settings": _mining_settings(cfg),
+                "settings": mining_settings(cfg),
                 "ranks": group.world,
                 "timings": rounded,
             },
             keep_last=cfg.keep_last,
         )
         manifest = json.loads(handoff.manifest_file(root, version).read_text())
-        with open(Path(cfg.run_dir) / "refresh_metrics.jsonl", "a", encoding="utf-8") as f:
+        with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
             f.write(json.dumps({"version": version, "step": step, **rounded}) + "\n")
         shutil.rmtree(work, ignore_errors=True)
         print(f"refresh: published v{version} (step {step}) {rounded}", file=sys.stderr, flush=True)
     group.barrier()
     return manifest
-
-
-def _mining_settings(cfg: RefreshConfig) -> dict[str, Any]:
-    return {
-        "top_k": cfg.top_k,
-        "num_negatives": cfg.num_negatives,
-        "strategy": cfg.strategy,
-        "skip_top": cfg.skip_top,
-    }
-
-
-def publish_bm25(cfg: RefreshConfig, ts: ance_data.TrainingSet) -> dict[str, Any]:
-    """Version 0 (or the next free one): BM25 top-K, positives removed, n sampled."""
-    from retromae_ds.eval.beir import load_corpus, load_queries
-
-    settings = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
-    t0 = time.perf_counter()
-    doc_ids, texts = load_corpus(Path(settings["beir"]) / "corpus.jsonl")
-    text_of = dict(zip(doc_ids, texts, strict=True))
-    queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
-    from retromae_ds.ance.mining import bm25_rankings
-
-    ranked = bm25_rankings(
-        [text_of[d] for d in ts.passage_ids],
-        [queries[q] for q in ts.query_ids],
-        cfg.top_k,
-        progress=cfg.progress,
-    )
-    negatives = mine(
-        ranked,
-        ts.positives,
-        cfg.num_negatives,
-        strategy=cfg.strategy,
-        skip_top=cfg.skip_top,
-        seed=cfg.seed,
-        num_passages=ts.num_passages,
-    )
-    root = Path(cfg.run_dir) / "negatives"
-    version = handoff.next_version(root)
-    handoff.publish(
-        root,
-        version,
-        negatives,
-        step=0,
-        meta={
-            "source": "bm25",
-            "data": ts.fingerprint(),
-            "settings": _mining_settings(cfg),
-            "timings": {"bm25_s": round(time.perf_counter() - t0, 3)},
-        },
-        keep_last=cfg.keep_last,
-    )
-    return json.loads(handoff.manifest_file(root, version).read_text())
 
 
 # --------------------------------------------------------------------------- the loop
@@ -404,16 +302,15 @@ def run_refresher(cfg: RefreshConfig) -> int:
         raise ValueError("refresh: --run_dir is required")
     started = time.time()
     group = _Group(cfg.timeout_s)
-    run_dir = Path(cfg.run_dir)
-    data_dir = Path(cfg.data_dir or run_dir / "data")
-    root = run_dir / "negatives"
+    layout = RunLayout(cfg.run_dir)
+    data_dir = Path(cfg.data_dir or layout.data)
     published = 0
     last_new = time.monotonic()
     ts = None
     while True:
         action: dict[str, Any] = {"do": "wait"}
         if group.rank == 0:
-            action = _next_action(cfg, run_dir, data_dir, root, started, last_new)
+            action = _next_action(cfg, layout, data_dir, started, last_new)
         action = group.broadcast(action)
         if action["do"] == "stop":
             if group.rank == 0:
@@ -448,9 +345,10 @@ def _source(root: Path, version: int) -> str | None:
 
 
 def _next_action(
-    cfg: RefreshConfig, run_dir: Path, data_dir: Path, root: Path, started: float, last_new: float
+    cfg: RefreshConfig, layout: RunLayout, data_dir: Path, started: float, last_new: float
 ) -> dict[str, Any]:
-    finished = run_dir / FINISHED
+    root = layout.negatives
+    finished = layout.finished
     done = finished.is_file() and finished.stat().st_mtime >= started - 1
     if cfg.idle_timeout_s and time.monotonic() - last_new > cfg.idle_timeout_s:
         return {"do": "stop", "why": f"no new checkpoint for {cfg.idle_timeout_s:.0f} s"}
@@ -458,7 +356,7 @@ def _next_action(
     if not (data_dir / ance_data.READY).is_file() or pointer is None:
         # the trainer prepares the data and publishes the BM25 version first
         return {"do": "stop", "why": "the trainer finished"} if done else {"do": "wait"}
-    newest = ckpt.latest_complete(run_dir / "checkpoints")
+    newest = ckpt.latest_complete(layout.checkpoints)
     # BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer
     bm25 = _source(root, pointer["version"]) == "bm25"
     if newest is not None and (

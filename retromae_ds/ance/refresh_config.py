@@ -1,0 +1,72 @@
+"""Settings of hard-negative mining and of the asynchronous refresher (``RefreshConfig``).
+
+Shared by the trainer (its ``refresh`` section; the BM25 version is mined with the same
+settings), the refresher process and the study, so it lives apart from all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from retromae_ds.ance.mining import STRATEGIES
+
+
+@dataclass(kw_only=True)
+class RefreshConfig:
+    run_dir: str = ""
+    """The trainer's run folder (checkpoints/ is read, negatives/ is written); the trainer
+    writes its own into the refresher's config file (refresh_config.json)."""
+    data_dir: str = ""
+    """The prepared training data (default RUN/data, written by the trainer)."""
+    top_k: int = 200
+    """Passages retrieved per training query before positives are removed."""
+    num_negatives: int = 8
+    """Negatives written per query (the trainer uses n of them per step)."""
+    strategy: str = "random"
+    """``random``: n drawn from the top-K; ``top``: the n best ranked."""
+    skip_top: int = 0
+    """Skip this many top-ranked non-positives first (likely unlabelled positives)."""
+    index: str = "auto"
+    """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
+    batch_size: int = 128
+    """Texts per forward pass."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda:1, ..."""
+    bf16: bool = True
+    """Encode under bf16 autocast on CUDA (ignored on CPU unless ``bf16_cpu``)."""
+    bf16_cpu: bool = False
+    """Also encode under bf16 autocast on CPU (≈ 2× faster where the CPU has AVX512-BF16 or
+    AMX; slower where it has neither)."""
+    poll_s: float = 5.0
+    """Seconds between looks for a new checkpoint."""
+    min_new_steps: int = 1
+    """Refresh only from a checkpoint at least this many steps after the last version's."""
+    max_versions: int = 0
+    """Stop after publishing this many versions (0: no limit)."""
+    idle_timeout_s: float = 0.0
+    """Stop after this long without a new checkpoint (0: wait while the trainer runs)."""
+    keep_last: int = 0
+    """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
+    seed: int = 0
+    progress: bool = True
+    timeout_s: int = 1800
+    """Collective timeout between the refresher's own ranks."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"refresh.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
+        if self.index not in ("auto", "faiss", "torch"):
+            raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
+        if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
+            raise ValueError("refresh: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
+
+
+def mining_settings(cfg: RefreshConfig) -> dict[str, Any]:
+    """The settings that decide which negatives a version holds (recorded in its manifest)."""
+    return {
+        "top_k": cfg.top_k,
+        "num_negatives": cfg.num_negatives,
+        "strategy": cfg.strategy,
+        "skip_top": cfg.skip_top,
+    }

@@ -1,0 +1,110 @@
+"""The run folder: one object naming every file and folder a run writes.
+
+Pre-training, fine-tuning, the refresher, export and the study all find each other's files
+through :class:`RunLayout` (and a checkpoint's contents through the names below), so the
+layout is written down once::
+
+    RUN/
+        config.json              the resolved training config (rank 0, every start)
+        ds_config.json           the DeepSpeed dict it implies
+        metrics.jsonl            one row per logged step; tensorboard/ the same for TensorBoard
+        checkpoints/
+            step_00000100/       complete (see retromae_ds.checkpoint)
+                COMPLETE         completion record, written last
+                rank_00000.pt    per-rank state: sampler, RNG, task state
+                encoder/         the encoder as a Hugging Face folder
+                query_encoder/   fine-tuning with separate towers only
+                <DeepSpeed files>
+            step_00000200.partial/   being written, or left by a crash: never read
+        data/                    fine-tuning: the tokenized BEIR split (retromae_ds.ance.data)
+        negatives/               fine-tuning: versioned hard negatives (retromae_ds.ance.handoff)
+        refresh_config.json      fine-tuning: the refresher's settings, for any refresher
+        refresher.log            the local refresher's output
+        refresh_metrics.jsonl    the refresher's timings per published version
+        FINISHED                 fine-tuning reached max_steps (the refresher may stop)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+COMPLETE = "COMPLETE"
+"""A checkpoint's completion record; a checkpoint without it is not a checkpoint."""
+ENCODER = "encoder"
+"""The encoder inside a checkpoint, as a Hugging Face folder."""
+QUERY_ENCODER = "query_encoder"
+"""The query tower inside a fine-tuning checkpoint whose towers are not shared."""
+PARTIAL_SUFFIX = ".partial"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+PARTIAL_DIR = re.compile(r"^step_(\d{8})\.partial$")
+
+
+def step_tag(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
+    return f"step_{step:08d}"
+
+
+def rank_state_file(checkpoint: Path, rank: int) -> Path:
+    return Path(checkpoint) / f"rank_{rank:05d}.pt"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths of one run folder (nothing is created by naming it)."""
+
+    root: Path
+
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def ds_config(self) -> Path:
+        return self.root / "ds_config.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_tag(step)
+
+    def staging(self, step: int) -> Path:
+        return self.checkpoints / (step_tag(step) + PARTIAL_SUFFIX)
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def negatives(self) -> Path:
+        return self.root / "negatives"
+
+    @property
+    def refresh_config(self) -> Path:
+        return self.root / "refresh_config.json"
+
+    @property
+    def refresher_log(self) -> Path:
+        return self.root / "refresher.log"
+
+    @property
+    def refresh_metrics(self) -> Path:
+        return self.root / "refresh_metrics.jsonl"
+
+    @property
+    def finished(self) -> Path:
+        return self.root / "FINISHED"

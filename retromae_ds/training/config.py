@@ -1,0 +1,96 @@
+"""The settings every training run has, whatever it trains: where it writes, how long it runs,
+batch and accumulation, logging, stop signals, optimizer, checkpoints and DeepSpeed.
+
+``retromae_ds.train.TrainConfig`` (pre-training) and ``retromae_ds.finetune.FinetuneConfig``
+(fine-tuning) extend :class:`RunConfig` with their data and model sections; the ``Trainer``
+reads only what is declared here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from retromae_ds.engine import DeepSpeedSettings
+from retromae_ds.training.signals import signal_number
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and LayerNorm weights)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (0: use warmup_ratio)."""
+    warmup_ratio: float = 0.1
+    """Warm-up as a share of max_steps when warmup_steps is 0."""
+    schedule: str = "linear"
+    """Decay after warm-up: linear, cosine or constant."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    encoder_frozen_steps: int = 0
+    """Heads-only warm-up: the encoder body's learning rate is 0 for the first N steps while
+    the heads (MLM transform, decoder) learn, e.g. when continuing from a checkpoint that
+    ships without them; afterwards the body follows the schedule over the remaining steps."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("linear", "cosine", "constant"):
+            raise ValueError(
+                f"optim.schedule must be linear, cosine or constant, not {self.schedule!r}"
+            )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save every N optimizer steps (0: only at the end)."""
+    keep_last: int = 3
+    """Complete checkpoints to keep (0: all)."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint of the run, if any), ``none``, or a path."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run_dir: str = "runs/run"
+    """Where checkpoints, metrics and resolved configs go."""
+    seed: int = 0
+    """Seeds the initialisation, the data order, masking and dropout."""
+    micro_batch_size: int = 8
+    """Samples per rank per forward pass."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    max_steps: int = 0
+    """Optimizer steps to train (0: derive from epochs)."""
+    epochs: float = 0.0
+    """Passes over the data when max_steps is 0."""
+    stop_at_step: int = 0
+    """Stop after this step with a checkpoint although max_steps is larger (time-boxed jobs;
+    the schedule still follows max_steps, so a resumed run continues exactly)."""
+    log_every: int = 10
+    """Write a metrics row (means since the last row) every N steps."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    """Signals that stop the run cleanly: every rank finishes the current optimizer step, a
+    complete checkpoint is written, and the process exits with EXIT_REQUEUE (85). [] disables."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
+
+    def __post_init__(self) -> None:
+        if self.max_steps <= 0 and self.epochs <= 0:
+            raise ValueError("set max_steps or epochs")
+        if self.micro_batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("micro_batch_size and grad_accum must be >= 1")
+        if self.log_every < 1:
+            raise ValueError("log_every must be >= 1")
+        self.stop_signals = [name for name in self.stop_signals if name]
+        for name in self.stop_signals:
+            signal_number(name)  # fails naming the signal

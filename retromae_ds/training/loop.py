@@ -1,0 +1,274 @@
+"""The one optimizer-step loop of pre-training and fine-tuning.
+
+``Trainer`` owns what both have in common: the DeepSpeed engine (AdamW + schedule), resume,
+the rank-0 log, the step (forward, backward, accumulation, optimizer step), the stop/requeue
+protocol, periodic and final checkpoints through the ``CheckpointManager``. What differs is
+handed in as data: the batches (an iterator) and a few :class:`Hooks` — which model outputs to
+average into the log, what to count per batch, what each rank adds to a checkpoint, how the
+consolidated weights become Hugging Face folders, and one call at each step boundary (where
+fine-tuning swaps its hard negatives). The loop itself, :meth:`Trainer.fit`, reads top to
+bottom.
+
+Exact resume: everything random is either seeded from (seed, epoch, sample) or part of the
+checkpoint (every rank's RNG states and sampler position, and whatever the task adds), so a run
+stopped after step s and resumed computes the same losses at every later step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retromae_ds import engine as eng
+from retromae_ds import faults
+from retromae_ds.checkpoint import CheckpointManager, Restored
+from retromae_ds.config import to_dict
+from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.layout import RunLayout
+from retromae_ds.metrics_log import MetricsLogger
+from retromae_ds.training.config import RunConfig
+from retromae_ds.training.optim import build_optimizer, build_scheduler
+from retromae_ds.training.signals import EXIT_REQUEUE, StopRequested, StopSignals
+
+
+def _nothing() -> dict[str, Any]:
+    return {}
+
+
+@dataclass
+class Hooks:
+    """What a task adds to the shared loop (every callable runs on every rank unless said)."""
+
+    write_models: Callable[[dict[str, torch.Tensor], Path], None]
+    """Rank 0, at each checkpoint: the consolidated state dict -> Hugging Face folders in the
+    staging folder."""
+    metrics: tuple[str, ...] = ("loss",)
+    """Model outputs averaged (over steps and ranks) into each log row."""
+    counts: Callable[[dict[str, torch.Tensor]], dict[str, int]] = lambda batch: {}
+    """Per micro-batch counts, logged as ``{name}_per_s`` (e.g. tokens)."""
+    consumed: Callable[[dict[str, torch.Tensor]], int] = lambda batch: 0
+    """Samples of the sampler a micro-batch used (the sampler advances by it)."""
+    rank_state: Callable[[], dict[str, Any]] = _nothing
+    """Task state each rank saves beside its sampler and RNG."""
+    marker: Callable[[], dict[str, Any]] = _nothing
+    """Task fields of a checkpoint's completion record."""
+    log_fields: Callable[[], dict[str, Any]] = _nothing
+    """Task fields of each log row (after the averages)."""
+    after_step: Callable[[int], None] | None = None
+    """At each step boundary, after the step's log row, before its checkpoint."""
+
+
+class Trainer:
+    """Engine, checkpoints and log of one run; ``fit`` trains until max_steps or a stop."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        dist: eng.DistInfo,
+        model: torch.nn.Module,
+        sampler: ResumableDistributedSampler,
+        *,
+        max_steps: int,
+        stop: StopSignals,
+    ) -> None:
+        self.cfg, self.dist, self.sampler, self.stop = cfg, dist, sampler, stop
+        self.max_steps = max_steps
+        self.layout = RunLayout(cfg.run_dir)
+        optimizer = build_optimizer(model, cfg.optim)
+        self.scheduler = build_scheduler(optimizer, cfg.optim, max_steps)
+        self.ds_config = eng.build_ds_config(
+            cfg.deepspeed.config,
+            micro_batch=cfg.micro_batch_size,
+            grad_accum=cfg.grad_accum,
+            world_size=dist.world_size,
+            grad_clip=cfg.optim.grad_clip,
+            cuda=dist.device.type == "cuda",
+        )
+        self.engine = eng.initialize(model, optimizer, self.scheduler, self.ds_config)
+        self.checkpoints = CheckpointManager(
+            self.layout,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            keep_last=cfg.checkpoint.keep_last,
+        )
+        self.step = 0
+        self.logger: MetricsLogger | None = None
+        self.hooks: Hooks | None = None
+
+    # -- set-up -------------------------------------------------------------------------
+    def resume(self) -> Restored | None:
+        """Restore engine, RNG and sampler from ``checkpoint.resume``; the caller restores
+        its own state from ``restored.rank_state``."""
+        restored = self.checkpoints.restore(self.engine, self.cfg.checkpoint.resume)
+        if restored is not None:
+            self.sampler.load_state_dict(restored.rank_state["sampler"])
+            self.step = restored.step
+        return restored
+
+    def start_log(self, note: str | None = None) -> None:
+        """Open the rank-0 log and write the resolved configs into the run folder."""
+        rank0 = self.dist.rank == 0
+        self.logger = MetricsLogger(
+            self.layout.root,
+            enabled=rank0,
+            progress=self.cfg.progress,
+            total=self.max_steps,
+            initial=self.step,
+        )
+        if rank0:
+            self.layout.config.write_text(json.dumps(to_dict(self.cfg), indent=2))
+            self.layout.ds_config.write_text(json.dumps(self.ds_config, indent=2))
+            if note:
+                self.logger.note(note)
+
+    def note(self, text: str) -> None:
+        if self.logger is not None:
+            self.logger.note(text)
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save(self, step: int, hooks: Hooks) -> None:
+        """A complete checkpoint of ``step`` (collective: every rank calls it)."""
+        self.checkpoints.save(
+            self.engine,
+            step,
+            rank_state={"sampler": self.sampler.state_dict(), **hooks.rank_state()},
+            marker=hooks.marker(),
+            write_models=hooks.write_models,
+        )
+
+    # -- the loop -----------------------------------------------------------------------
+    def fit(self, batches: Iterator[dict[str, torch.Tensor]], hooks: Hooks) -> dict[str, Any]:
+        """Train from ``self.step`` to ``max_steps`` (or ``stop_at_step``, or a stop signal);
+        returns the last log row on every rank. Raises StopRequested after a stop signal (its
+        checkpoint is complete)."""
+        cfg, dist, engine = self.cfg, self.dist, self.engine
+        if self.logger is None:
+            self.start_log()
+        step, micro, stopping = self.step, 0, False
+        last: dict[str, Any] = {}
+        window: list[torch.Tensor] = []
+        counts: dict[str, float] = {}
+        t_last = time.perf_counter()
+        try:
+            while step < self.max_steps:
+                batch = next(batches)
+                batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
+                out = engine(batch)
+                engine.backward(out["loss"])
+                engine.step()
+                self.sampler.advance(hooks.consumed(batch))
+                for name, n in hooks.counts(batch).items():
+                    counts[name] = counts.get(name, 0) + n
+                window.append(torch.stack([out[k].detach().float() for k in hooks.metrics]))
+                micro += 1
+                if micro % cfg.grad_accum:
+                    continue
+                step += 1
+                self.step = step
+                faults.pause("sleep_after_step_s")
+                # every rank joins the all-reduce at every step, so all stop at the same step
+                stopping = bool(self.stop.signals) and eng.any_rank(
+                    self.stop.received is not None, dist.device
+                )
+                if step % cfg.log_every == 0 or step == self.max_steps:
+                    last = self._log_row(step, window, counts, time.perf_counter() - t_last, hooks)
+                    window, counts, t_last = [], {}, time.perf_counter()
+                if hooks.after_step is not None:
+                    hooks.after_step(step)
+                every = cfg.checkpoint.every_steps
+                if every and step % every == 0 and step < self.max_steps:
+                    self.save(step, hooks)
+                self.logger.advance(step)
+                if step == cfg.stop_at_step or stopping:
+                    break
+            if self.checkpoints.newest_step() != step:
+                self.save(step, hooks)
+        finally:
+            self.close()
+        if stopping and step < self.max_steps:
+            if dist.rank == 0:
+                print(
+                    f"stop signal: checkpoint of step {step} complete; exiting with "
+                    f"{EXIT_REQUEUE} (resume with --resume auto)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise StopRequested(step)
+        return last
+
+    def _log_row(
+        self,
+        step: int,
+        window: list[torch.Tensor],
+        counts: dict[str, float],
+        seconds: float,
+        hooks: Hooks,
+    ) -> dict[str, Any]:
+        """Means over the window and all ranks; rates summed over ranks."""
+        world = self.dist.world_size
+        means = eng.all_reduce_mean(torch.stack(window).mean(0))
+        row: dict[str, Any] = {"step": step}
+        row.update({k: float(v) for k, v in zip(hooks.metrics, means, strict=True)})
+        row["lr"] = float(self.scheduler.get_last_lr()[0])
+        if counts:
+            totals = eng.all_reduce_mean(torch.tensor([float(v) for v in counts.values()]))
+            for name, total in zip(counts, totals, strict=True):
+                row[f"{name}_per_s"] = float(total) * world / seconds
+        row["epoch"] = self.sampler.epoch
+        row.update(hooks.log_fields())
+        self.logger.log(row)
+        return row
+
+
+def steps_for(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """``max_steps``, or the steps that ``epochs`` passes take."""
+    return cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+
+
+def run_main(
+    config_cls: type,
+    run: Callable[[Any], Any],
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+) -> int:
+    """The command line of a training entry point: ``--config FILE``, ``--resume``, any
+    ``--section.field VALUE``; exits with EXIT_REQUEUE after a stop signal."""
+    import argparse
+    import os
+
+    from retromae_ds.config import build_config
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", default=None, help="YAML or JSON config file")
+    parser.add_argument(
+        "--resume", default=None, help="auto | none | CHECKPOINT (= --checkpoint.resume)"
+    )
+    # the deepspeed launcher passes --local_rank; LOCAL_RANK in the environment says the same
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )
+    args, overrides = parser.parse_known_args(argv)
+    if args.resume is not None:
+        overrides += ["--checkpoint.resume", args.resume]
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    cfg = build_config(config_cls, args.config, overrides)
+    try:
+        run(cfg)
+    except StopRequested:
+        return EXIT_REQUEUE
+    return 0

@@ -1,0 +1,70 @@
+"""AdamW with decoupled weight decay groups, and the warm-up + decay learning-rate schedule
+(with an optional heads-only warm-up, ``encoder_frozen_steps``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from retromae_ds.training.config import OptimConfig
+
+
+def lr_lambda(cfg: OptimConfig, max_steps: int):
+    warmup = cfg.warmup_steps or int(cfg.warmup_ratio * max_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        if cfg.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - progress
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW; no weight decay on biases and norms. With ``encoder_frozen_steps`` the encoder
+    body's parameters get groups of their own (marked ``body``) for ``build_scheduler``."""
+    body = set()
+    if cfg.encoder_frozen_steps:
+        encoder = getattr(model, "encoder", None)
+        if encoder is None or not hasattr(encoder, "base_model"):
+            raise ValueError("optim.encoder_frozen_steps needs a model with an encoder body")
+        body = {id(p) for p in encoder.base_model.parameters()}
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        decays = not (p.ndim < 2 or "norm" in name.lower())
+        groups.setdefault((id(p) in body, decays), []).append(p)
+    param_groups = [
+        {"params": groups[key], "weight_decay": cfg.weight_decay if key[1] else 0.0}
+        | ({"body": True} if key[0] else {})
+        for key in ((False, True), (False, False), (True, True), (True, False))
+        if key in groups
+    ]
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The warm-up + decay schedule; the encoder body's groups wait ``encoder_frozen_steps``
+    at learning rate 0, then run the same schedule over the remaining steps."""
+    heads = lr_lambda(cfg, max_steps)
+    frozen = cfg.encoder_frozen_steps
+    if not frozen:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, heads)
+    if frozen >= max_steps:
+        raise ValueError(f"optim.encoder_frozen_steps ({frozen}) must be < max_steps ({max_steps})")
+    later = lr_lambda(cfg, max_steps - frozen)
+
+    def body(step: int) -> float:
+        return 0.0 if step < frozen else later(step - frozen)
+
+    lambdas = [body if g.get("body") else heads for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
