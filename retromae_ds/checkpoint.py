@@ -29,6 +29,7 @@ import torch
 
 from retromae_ds import faults
 from retromae_ds.fsutil import atomic_write_text, fsync_dir
+from retromae_ds.hfutil import quiet_transformers
 from retromae_ds.layout import (
     COMPLETE,
     ENCODER,
@@ -222,7 +223,7 @@ class CheckpointManager:
         write_rank_state(staging, self.rank, {**rank_state, "rng": rng_state()})
         state = eng.consolidated_state_dict(engine)
         if state is not None:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), quiet_transformers():
                 write_models(state, staging)
         faults.crash("crash_in_save_at_step", step)  # every file written, not yet complete
         eng.barrier()

@@ -1,14 +1,20 @@
 """Nested dataclass configs: load from YAML/JSON, override any field from the command line.
 
-``apply_overrides(cfg, ["--optim.lr", "1e-4", "--model.encoder.name=small"])`` walks the
-dotted path and converts the value with the field's type annotation, so a typo or a bad value
-fails with the field's name instead of deep inside training.
+``build_config(TrainConfig, "job.yaml", ["--optim.lr", "1e-4", "--model.encoder.name=small"])``
+walks each dotted path and converts the value with the field's type annotation, so a typo or a
+bad value fails with the field's name instead of deep inside training. ``make_parser`` and
+``parse_config`` give a command its ``--help``: every field with its dotted name, type, default
+and docstring (the string literal under the field, read from the source with ``ast``).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
+import inspect
 import json
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -152,3 +158,198 @@ def build_config(cls: type[T], file: str | Path | None, overrides: list[str]) ->
     """Config from an optional file plus command-line overrides (the latter win)."""
     data = load_file(file) if file else {}
     return from_dict(cls, merge_dotted(data, parse_overrides(overrides)))
+
+
+def _class_docs(cls: type) -> tuple[str, dict[str, str]]:
+    """(class docstring, {field: docstring}) of ``cls``'s own body; empty without source."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return "", {}
+    node = next(
+        (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__),
+        None,
+    )
+    if node is None:
+        return "", {}
+    docs: dict[str, str] = {}
+    for stmt, after in zip(node.body, [*node.body[1:], None], strict=True):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            continue
+        if (
+            isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return ast.get_docstring(node) or "", docs
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring of each field of dataclass ``cls`` ("" where it has none).
+
+    Read with ``ast`` from the source of ``cls`` and of its dataclass bases; a field redeclared
+    without a docstring keeps its base's. Classes without source (built at run time, frozen
+    applications) give empty strings rather than an error.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update({k: v for k, v in _class_docs(klass)[1].items() if v})
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+def _type_name(tp: Any) -> str:
+    """A short readable form of a type annotation: ``int``, ``list[str]``, ``int | None``."""
+    if isinstance(tp, str):
+        return tp
+    if tp is type(None):
+        return "None"
+    if tp is Any:
+        return "Any"
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{', '.join('...' if a is Ellipsis else _type_name(a) for a in args)}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _show_value(value: Any) -> str:
+    """A default as it would be typed on the command line (strings quoted, JSON lists)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | list | tuple | dict):
+        try:
+            return json.dumps(value, ensure_ascii=False)
+        except TypeError:
+            pass
+    return repr(value)
+
+
+_MISSING = dataclasses.MISSING
+
+
+def _default_of(f: dataclasses.Field, instance: Any) -> Any:
+    """A field's default: from the enclosing section's default instance when there is one (a
+    section built by ``default_factory=lambda: OptimConfig(lr=2e-5)`` has its own defaults),
+    else from ``default`` / ``default_factory``; ``_MISSING`` for a required field."""
+    if instance is not None:
+        return getattr(instance, f.name, _MISSING)
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:
+        try:
+            return f.default_factory()
+        except Exception:  # a factory that cannot run without context: show no default
+            return _MISSING
+    return _MISSING
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _wrap(text: str, indent: str, width: int) -> list[str]:
+    """Fill each paragraph of ``text`` to ``width`` columns, keeping blank lines between."""
+    lines: list[str] = []
+    for paragraph in text.split("\n\n"):
+        if lines:
+            lines.append("")
+        lines += textwrap.wrap(
+            " ".join(paragraph.split()),
+            width=width,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+        )
+    return lines
+
+
+def help_text(cls: type, *, width: int = 100) -> str:
+    """Every field of dataclass ``cls`` as ``--dotted.name TYPE (default: ...)`` with its
+    docstring, grouped by section (nested dataclass fields), fitting ``width`` columns."""
+    lines: list[str] = []
+    _help_section(cls, "", None, "", lines, width)
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def _help_section(
+    cls: type, prefix: str, instance: Any, doc: str, lines: list[str], width: int
+) -> None:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # unresolvable annotations: show them as written
+        hints = {}
+    docs = field_docs(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    if prefix:
+        lines += ["", f"{prefix}  ({cls.__name__})"]
+        class_doc = _class_docs(cls)[0]
+        for text in (doc, class_doc):
+            if text:
+                lines += _wrap(text, "  ", width)
+    sections = []
+    for f in fields:
+        tp = hints.get(f.name, f.type)
+        if _is_section(tp):
+            sections.append((f, tp))
+            continue
+        default = _default_of(f, instance)
+        head = f"  --{prefix}{'.' if prefix else ''}{f.name} {_type_name(tp)}"
+        tail = "(required)" if default is _MISSING else f"(default: {_show_value(default)})"
+        if len(head) + 2 + len(tail) <= width:
+            lines.append(f"{head}  {tail}")
+        else:
+            lines += [head, *_wrap(tail, "        ", width)]
+        if docs.get(f.name):
+            lines += _wrap(docs[f.name], "        ", width)
+    for f, tp in sections:
+        default = _default_of(f, instance)
+        section_instance = default if isinstance(default, tp) else None
+        dotted = f"{prefix}.{f.name}" if prefix else f.name
+        _help_section(tp, dotted, section_instance, docs.get(f.name, ""), lines, width)
+
+
+OVERRIDE_SYNTAX = (
+    "Any config field can be set on the command line as --section.field VALUE (or\n"
+    "--section.field=VALUE; lists as JSON or comma-separated, booleans true/false, none for an\n"
+    "empty optional). The command line wins over the --config file, which wins over the\n"
+    "defaults. Fields:"
+)
+
+
+def make_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with ``--config FILE`` whose ``--help`` lists every field of ``cls``.
+
+    Add the command's own options to it, then call ``parse_config(cls, parser, argv)``.
+    Abbreviated options are off, so an override is never taken for a prefix of an option.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=f"{OVERRIDE_SYNTAX}\n\n{help_text(cls)}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--config", default=None, metavar="FILE", help="YAML or JSON config file (a mapping)"
+    )
+    return parser
+
+
+def parse_config(
+    cls: type[T], parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[T, argparse.Namespace]:
+    """Parse ``argv`` (None: ``sys.argv[1:]``): the parser's own options, then every other
+    ``--dotted.field VALUE`` as an override of the ``--config`` file. Unknown fields and bad
+    values raise ValueError naming the field, as ``build_config`` does."""
+    args, overrides = parser.parse_known_args(argv)
+    return build_config(cls, args.config, overrides), args

@@ -18,10 +18,14 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 
 @dataclass(kw_only=True)
@@ -95,6 +99,34 @@ def setup_distributed(timeout_s: int = 600) -> DistInfo:
     return DistInfo(rank, world, local, device, backend)
 
 
+def shipped_ds_configs() -> list[str]:
+    """Names of the ds_config files shipped inside the package (``zero2.json``, ...)."""
+    folder = resources.files("retromae_ds") / "ds_configs"
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def resolve_ds_config(name: str) -> Path | Traversable:
+    """Where ds_config ``name`` is read from.
+
+    A file that exists as given (relative to the working directory, or absolute) wins: a
+    user's own config. Otherwise ``zero2.json`` or ``ds_configs/zero2.json`` (any path whose
+    folder is called ``ds_configs``) names the copy shipped inside the package, so configs
+    resolve from any working directory and in a non-editable install. Anything else is a
+    FileNotFoundError listing the shipped configs; a path into some other folder never falls
+    back silently to a shipped file of the same name.
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_ds_configs()
+    if path.name in shipped and path.parent.name in ("", "ds_configs"):
+        return resources.files("retromae_ds") / "ds_configs" / path.name
+    raise FileNotFoundError(
+        f"ds_config file not found: {name} (not a file from {Path.cwd()}, and not one of "
+        f"the configs shipped in retromae_ds/ds_configs: {', '.join(shipped)})"
+    )
+
+
 def build_ds_config(
     files: list[str],
     *,
@@ -107,13 +139,9 @@ def build_ds_config(
     """Merge the ds_config files and write the training config's batch settings into them."""
     merged: dict[str, Any] = {}
     for name in files:
-        path = Path(name)
-        if not path.is_file():
-            path = Path(__file__).resolve().parents[1] / name  # relative to the repository
-        if not path.is_file():
-            raise FileNotFoundError(f"ds_config file not found: {name}")
+        path = resolve_ds_config(name)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: invalid JSON ({exc})") from exc
         _deep_update(merged, data)
@@ -189,9 +217,44 @@ def any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Full (unpartitioned) module weights on rank 0 (None elsewhere), for any ZeRO stage."""
-    if engine.zero_optimization_partition_weights():
-        state = engine._zero3_consolidated_16bit_state_dict()
-    else:
+    """Full (unpartitioned) module weights on rank 0 (None elsewhere), for any ZeRO stage;
+    every rank must call it.
+
+    Under ZeRO-3 the parameters are gathered one module at a time with DeepSpeed's public
+    ``deepspeed.zero.GatheredParameters`` (read-only, ``modifier_rank=None``: no broadcast on
+    exit), so at most one layer is whole on each rank at a time, and rank 0 copies it to CPU.
+    This is what the private ``engine._zero3_consolidated_16bit_state_dict()`` does, with the
+    same result: the same keys as ``module.state_dict()`` (persistent buffers included), the
+    parameters' own dtype (bf16 under bf16), and tied weights as one shared tensor.
+    """
+    rank = torch.distributed.get_rank()
+    if not engine.zero_optimization_partition_weights():
         state = engine.module.state_dict()
-    return state if torch.distributed.get_rank() == 0 else None
+        return state if rank == 0 else None
+    import deepspeed
+
+    # the keys and their order come from state_dict() itself (partitioned parameters are empty
+    # placeholders there, so this costs nothing); persistent buffers are the ones it lists
+    keys = list(engine.module.state_dict().keys())
+    wanted = set(keys)
+    state: dict[str, torch.Tensor] = {}
+    first_key: dict[int, str] = {}  # id(parameter) -> its first key: tied weights stay tied
+
+    # every path, like state_dict(): a module or parameter registered twice appears twice
+    for path, module in engine.module.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        with deepspeed.zero.GatheredParameters(
+            list(module.parameters(recurse=False)), modifier_rank=None
+        ):
+            if rank != 0:
+                continue
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+                if id(param) in first_key:
+                    state[prefix + name] = state[first_key[id(param)]]
+                else:  # a copy: the gathered storage is released on exit
+                    state[prefix + name] = param.detach().to("cpu", copy=True)
+                    first_key[id(param)] = prefix + name
+            for name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
+                if prefix + name in wanted:  # buffers are never partitioned
+                    state[prefix + name] = buf.detach().to("cpu", copy=True)
+    return {key: state[key] for key in keys} if rank == 0 else None

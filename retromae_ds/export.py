@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from retromae_ds import checkpoint as ckpt
+from retromae_ds.hfutil import load_pretrained, quiet_transformers
 from retromae_ds.layout import ENCODER
 
 
@@ -33,14 +34,16 @@ def export_encoder(checkpoint: str | Path, out: str | Path, pooling: str = "cls"
     out = Path(out)
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    mlm = AutoModelForMaskedLM.from_pretrained(str(source), local_files_only=True)
+    mlm = load_pretrained(AutoModelForMaskedLM, source)
     torch.manual_seed(0)  # the (unused, untrained) pooler gets a fixed initialisation
-    body = AutoModel.from_config(mlm.config)
-    missing, unexpected = body.load_state_dict(mlm.base_model.state_dict(), strict=False)
-    if unexpected or any(not k.startswith("pooler.") for k in missing):
-        raise RuntimeError(f"encoder body mismatch: missing {missing}, unexpected {unexpected}")
-    body.save_pretrained(str(staging), safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(staging))
+    with quiet_transformers():
+        body = AutoModel.from_config(mlm.config)
+        missing, unexpected = body.load_state_dict(mlm.base_model.state_dict(), strict=False)
+        if unexpected or any(not k.startswith("pooler.") for k in missing):
+            raise RuntimeError(f"encoder body mismatch: missing {missing}, unexpected {unexpected}")
+        body.save_pretrained(str(staging), safe_serialization=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        tokenizer.save_pretrained(str(staging))
     write_sentence_transformers_files(
         staging, mlm.config.hidden_size, pooling, mlm.config.max_position_embeddings
     )

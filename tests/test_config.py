@@ -1,15 +1,27 @@
-"""Config plumbing: file + command-line overrides into nested dataclasses, and the DeepSpeed
-dict that the engine builds from the training config (no process group needed)."""
+"""Config plumbing: file + command-line overrides into nested dataclasses, the --help text
+built from the fields' docstrings, and the DeepSpeed dict that the engine builds from the
+training config (no process group needed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass, field
 
 import pytest
 
-from retromae_ds.config import build_config, parse_overrides
+from retromae_ds.config import (
+    build_config,
+    field_docs,
+    help_text,
+    make_parser,
+    parse_config,
+    parse_overrides,
+)
 from retromae_ds.engine import build_ds_config
-from retromae_ds.train import TrainConfig, lr_lambda
+from retromae_ds.train import TrainConfig
+from retromae_ds.training.config import OptimConfig
+from retromae_ds.training.optim import lr_lambda
 
 
 def test_overrides_reach_nested_fields_with_types(tmp_path):
@@ -94,10 +106,123 @@ def test_ds_config_takes_batch_settings_from_the_training_config(tmp_path):
         )
 
 
+@dataclass(kw_only=True)
+class _Inner:
+    """The innermost section."""
+
+    depth: int = 3
+    """How deep the inner section goes."""
+
+
+@dataclass(kw_only=True)
+class _BaseSection:
+    ratio: float = 0.5
+    """A ratio inherited from the base class."""
+    tags: list[str] = field(default_factory=lambda: ["a", "b"])
+    """Tags, from a default_factory."""
+
+
+@dataclass(kw_only=True)
+class _Section(_BaseSection):
+    limit: int | None = None
+    """An optional limit."""
+    weights: dict[str, int] = field(default_factory=dict)
+    """Per-name weights."""
+    inner: _Inner = field(default_factory=lambda: _Inner(depth=7))
+    """The inner section, built with its own default."""
+
+
+@dataclass(kw_only=True)
+class _Top:
+    name: str
+    """A required name."""
+    verbose: bool = False
+    undocumented: int = 1
+    section: _Section = field(default_factory=_Section)
+
+
+def test_field_docs_follow_dataclass_bases_and_survive_missing_source():
+    assert field_docs(_Section) == {
+        "ratio": "A ratio inherited from the base class.",
+        "tags": "Tags, from a default_factory.",
+        "limit": "An optional limit.",
+        "weights": "Per-name weights.",
+        "inner": "The inner section, built with its own default.",
+    }
+    assert field_docs(_Top)["undocumented"] == ""
+    no_source = dataclasses.make_dataclass("NoSource", [("x", int, dataclasses.field(default=1))])
+    assert field_docs(no_source) == {"x": ""}
+    assert "--x int  (default: 1)" in help_text(no_source)
+
+
+def test_help_text_lists_every_field_dotted_with_type_default_and_docstring():
+    text = help_text(_Top)
+    lines = text.splitlines()
+    expected = [
+        "  --name str  (required)",
+        "        A required name.",
+        "  --verbose bool  (default: false)",
+        "  --undocumented int  (default: 1)",
+        "section  (_Section)",
+        "  --section.ratio float  (default: 0.5)",
+        "        A ratio inherited from the base class.",
+        '  --section.tags list[str]  (default: ["a", "b"])',
+        "  --section.limit int | None  (default: none)",
+        "        An optional limit.",
+        "  --section.weights dict[str, int]  (default: {})",
+        "section.inner  (_Inner)",
+        "  The inner section, built with its own default.",
+        "  The innermost section.",
+        "  --section.inner.depth int  (default: 7)",
+        "        How deep the inner section goes.",
+    ]
+    positions = [lines.index(line) for line in expected]
+    assert positions == sorted(positions), text
+    # sections are headings, not fields with a default
+    assert "--section " not in text and "--section.inner " not in text
+
+
+def test_help_text_of_the_training_config_fits_the_terminal():
+    from retromae_ds.finetune import FinetuneConfig
+
+    text = help_text(TrainConfig)
+    for option, doc in [
+        ("--optim.lr float  (default: 0.0001)", "Peak learning rate."),
+        ('--model.objective.name str  (default: "retromae")', "(MLM + two-stream decoder)"),
+        ("--deepspeed.config list[str]", "ds_config files merged in order"),
+        ("--masking.encoder_ratio float", "Share of whole words masked"),
+        ("--checkpoint.every_steps int", "Save every N optimizer steps"),
+    ]:
+        assert option in text and doc in text.split(option, 1)[1].split("\n  --")[0]
+    assert max(len(line) for line in text.splitlines()) <= 100
+    # a section's own default instance wins over the class defaults
+    assert "--optim.lr float  (default: 2e-05)" in help_text(FinetuneConfig)
+
+
+def test_parse_config_applies_the_file_then_the_command_line(tmp_path, capsys):
+    parser = make_parser(TrainConfig, prog="retromae-ds pretrain", description="Pre-train.")
+    parser.add_argument("--resume", default=None)
+    (tmp_path / "c.json").write_text(json.dumps({"data": {"shards": "s"}, "optim": {"lr": 0.5}}))
+    cfg, args = parse_config(
+        TrainConfig,
+        parser,
+        ["--optim.lr", "2e-4", "--config", str(tmp_path / "c.json"), "--max_steps=3"]
+        + ["--resume", "none", "--masking.encoder_ratio", "0.15"],
+    )
+    assert (cfg.data.shards, cfg.optim.lr, cfg.max_steps) == ("s", 2e-4, 3)
+    assert cfg.masking.encoder_ratio == 0.15 and args.resume == "none"
+    with pytest.raises(ValueError, match="unknown config field.*optim.lrr"):
+        parse_config(TrainConfig, parser, ["--data.shards", "s", "--max_steps=1", "--optim.lrr=1"])
+    with pytest.raises(ValueError, match="max_steps: expected an integer"):
+        parse_config(TrainConfig, parser, ["--data.shards", "s", "--max_steps", "x"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--section.field VALUE" in out and "--optim.lr float" in out and "--resume" in out
+
+
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant"])
 def test_lr_schedule_warms_up_then_decays(schedule):
-    from retromae_ds.train import OptimConfig
-
     f = lr_lambda(OptimConfig(warmup_steps=10, schedule=schedule), max_steps=100)
     warm = [f(s) for s in range(10)]
     assert warm == sorted(warm) and warm[0] > 0 and f(10) == pytest.approx(1.0)

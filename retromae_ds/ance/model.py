@@ -26,7 +26,9 @@ def load_body(folder: str | Path) -> nn.Module:
     """The encoder body (no MLM head, no pooler) of a local Hugging Face folder."""
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(str(folder), local_files_only=True)
+    from retromae_ds.hfutil import load_pretrained
+
+    model = load_pretrained(AutoModel, folder)
     if getattr(model, "pooler", None) is not None:
         model.pooler = None  # unused by CLS/mean pooling; would hold parameters without grads
     return model
@@ -83,8 +85,10 @@ def save_encoders(
     from transformers import AutoTokenizer
 
     from retromae_ds.export import write_sentence_transformers_files
+    from retromae_ds.hfutil import quiet_transformers
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    with quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     towers = [("encoder", ENCODER, model.encoder)]  # (attribute = state prefix, folder, module)
     if model.query_encoder is not None:
         towers.append(("query_encoder", QUERY_ENCODER, model.query_encoder))

@@ -49,7 +49,9 @@ class RefreshConfig:
     keep_last: int = 0
     """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
     seed: int = 0
+    """Seeds the sampling of negatives (version N uses seed + N)."""
     progress: bool = True
+    """Show progress bars while encoding and searching."""
     timeout_s: int = 1800
     """Collective timeout between the refresher's own ranks."""
 

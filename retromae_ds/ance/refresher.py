@@ -369,16 +369,12 @@ def _next_action(
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from retromae_ds.config import make_parser, parse_config
 
-    from retromae_ds.config import build_config
-
-    parser = argparse.ArgumentParser(
-        prog="retromae-ds refresh", description=__doc__.splitlines()[0]
+    parser = make_parser(
+        RefreshConfig, prog="retromae-ds refresh", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--config", default=None, help="YAML or JSON refresher config")
-    args, overrides = parser.parse_known_args(argv)
-    cfg = build_config(RefreshConfig, args.config, overrides)
+    cfg, _ = parse_config(RefreshConfig, parser, argv)
     run_refresher(cfg)
     return 0
 

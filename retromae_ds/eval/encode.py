@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from retromae_ds.hfutil import load_pretrained, quiet_transformers
+
 Encoder = Callable[[list[str]], np.ndarray]
 Pooling = Literal["cls", "mean"]
 
@@ -106,8 +108,9 @@ class HFEncoder:
             raise FileNotFoundError(
                 f"{model_dir}: not a Hugging Face model folder (no config.json)"
             )
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        model = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = load_pretrained(AutoModel, model_dir)  # an MLM folder: no pooler, expected
         return cls(model, tokenizer, device=resolve_device(device), **kwargs)
 
     @property

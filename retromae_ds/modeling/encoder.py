@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from retromae_ds.hfutil import load_pretrained
+
 PRESETS = {
     # name: (layers, hidden, heads, intermediate)
     "tiny": (2, 128, 2, 512),
@@ -60,7 +62,7 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
         )
         model = BertForMaskedLM(config)
     else:
-        model = AutoModelForMaskedLM.from_pretrained(cfg.name, local_files_only=True)
+        model = load_pretrained(AutoModelForMaskedLM, cfg.name)  # a missing MLM head is named
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"{cfg.name}: model vocabulary {model.config.vocab_size} < tokenizer vocabulary {vocab_size}; "

@@ -246,14 +246,14 @@ def run_main(
     description: str,
 ) -> int:
     """The command line of a training entry point: ``--config FILE``, ``--resume``, any
-    ``--section.field VALUE``; exits with EXIT_REQUEUE after a stop signal."""
+    ``--section.field VALUE`` (``--help`` lists them all); exits with EXIT_REQUEUE after a stop
+    signal."""
     import argparse
     import os
 
-    from retromae_ds.config import build_config
+    from retromae_ds.config import build_config, make_parser
 
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", default=None, help="YAML or JSON config file")
+    parser = make_parser(config_cls, prog=prog, description=description)
     parser.add_argument(
         "--resume", default=None, help="auto | none | CHECKPOINT (= --checkpoint.resume)"
     )
