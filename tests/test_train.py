@@ -322,7 +322,9 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, synthetic_shar
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("zero", "precision"), [("zero0", "fp32"), ("zero1", "bf16")])
+@pytest.mark.parametrize(
+    ("zero", "precision"), [("zero0", "fp32"), ("zero1", "bf16"), ("zero3_offload", "fp32")]
+)
 def test_other_stages_and_bf16_run_on_cpu(tmp_path, synthetic_shards, zero, precision):
     run = tmp_path / f"{zero}-{precision}"
     pretrain(
@@ -338,7 +340,7 @@ def test_other_stages_and_bf16_run_on_cpu(tmp_path, synthetic_shards, zero, prec
     rows = metrics(run)
     assert len(rows) == 4 and all(r["loss"] == r["loss"] and r["loss"] < 100 for r in rows)
     resolved = json.loads((run / "ds_config.json").read_text())
-    assert resolved["zero_optimization"]["stage"] == int(zero[-1])
+    assert resolved["zero_optimization"]["stage"] == int(zero[4])
     assert resolved["bf16"]["enabled"] is (precision == "bf16")
     assert ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["step"] == 4
 
