@@ -207,6 +207,15 @@ def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (picklable objects; every rank must call it)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when ``flag`` is true on at least one; every rank must call it."""
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):

@@ -169,14 +169,6 @@ class BatchBuilder:
 
 
 # --------------------------------------------------------------------------- negatives
-def _broadcast(obj: Any) -> Any:
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
-
-
 def _load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> handoff.Negatives:
     neg = handoff.load_version(root, version)
     if neg.manifest.get("data") != ts.fingerprint() or neg.num_queries != ts.num_queries:
@@ -208,7 +200,7 @@ class NegativesInUse:
         if self.dist.rank == 0:
             pointer = handoff.read_pointer(self.root)
             newest = pointer["version"] if pointer else None
-        newest = _broadcast(newest)
+        newest = eng.broadcast_object(newest)
         if newest is None or newest <= self.current.version:
             return
         try:
@@ -233,7 +225,7 @@ def _wait_for_mined(
     while True:
         pointer = handoff.read_pointer(root)
         if pointer is not None and pointer["version"] > after:
-            return _broadcast(pointer["version"])
+            return eng.broadcast_object(pointer["version"])
         if refresher is not None and refresher.poll() is not None:
             raise RuntimeError(
                 f"the local refresher exited ({refresher.returncode}) before mining the first "
@@ -350,7 +342,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
         version = int(restored.rank_state["negatives_version"])
     else:
         pointer = handoff.read_pointer(layout.negatives) if dist.rank == 0 else None
-        version = _broadcast(pointer["version"] if pointer else None)
+        version = eng.broadcast_object(pointer["version"] if pointer else None)
     negatives = NegativesInUse(
         layout.negatives, ts, _load_negatives(layout.negatives, version, ts), dist
     )

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
+
+from retromae_ds.layout import RunLayout
 
 
 class MetricsLogger:
     def __init__(
-        self, run_dir: Path, *, enabled: bool, progress: bool, total: int, initial: int = 0
+        self,
+        layout: RunLayout,
+        *,
+        enabled: bool,
+        progress: bool,
+        total: int,
+        initial: int = 0,
     ) -> None:
         self.enabled = enabled
         self._bar = None
@@ -18,12 +25,12 @@ class MetricsLogger:
         self._jsonl = None
         if not enabled:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        layout.root.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(layout.metrics, "a", encoding="utf-8")  # noqa: SIM115
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(layout.tensorboard))
         except ImportError:  # tensorboard is a dependency; keep training if it is absent
             self._tb = None
         if progress:

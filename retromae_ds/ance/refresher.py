@@ -122,11 +122,9 @@ class _Group:
             self.info = eng.setup_distributed(timeout_s)
 
     def broadcast(self, obj: Any) -> Any:
-        if self.world == 1:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        from retromae_ds import engine as eng
+
+        return obj if self.world == 1 else eng.broadcast_object(obj)
 
     def barrier(self) -> None:
         if self.world > 1:

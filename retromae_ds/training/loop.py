@@ -117,7 +117,7 @@ class Trainer:
         """Open the rank-0 log and write the resolved configs into the run folder."""
         rank0 = self.dist.rank == 0
         self.logger = MetricsLogger(
-            self.layout.root,
+            self.layout,
             enabled=rank0,
             progress=self.cfg.progress,
             total=self.max_steps,
