@@ -59,6 +59,7 @@ from retromae_ds.finetune import (
     NegativesConfig,
 )
 from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.hfutil import quiet_transformers
 from retromae_ds.layout import RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig
@@ -247,6 +248,7 @@ class Study:
                 out=str(folder),
                 max_length=self.cfg.max_length,
                 workers=self.cfg.workers,
+                progress=False,  # its summary line says what it did
                 **kw,
             )
         )
@@ -294,8 +296,9 @@ class Study:
         model = build_encoder(self.encoder_config(start), len(tok), tok.pad_token_id)
         staging = encoder.with_name("encoder.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        model.base_model.save_pretrained(str(staging), safe_serialization=True)
-        tok.save_pretrained(str(staging))
+        with quiet_transformers():
+            model.base_model.save_pretrained(str(staging), safe_serialization=True)
+            tok.save_pretrained(str(staging))
         os.replace(staging, encoder)
         return encoder
 
