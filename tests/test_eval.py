@@ -216,8 +216,26 @@ def test_hf_encoder_normalises_and_restores_training_mode(tiny_model_dir):
     assert encoder([]).shape == (0, 32)
     with pytest.raises(ValueError, match="pooling"):
         HFEncoder(model, tokenizer, pooling="max")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="neither a Hugging Face encoder folder"):
         HFEncoder.from_dir(tiny_model_dir.parent)
+
+
+def test_a_run_folder_evaluates_its_newest_checkpoint_not_its_training_config(
+    tiny_model_dir, tmp_path
+):
+    """``eval --model RUN_DIR``: the run's config.json is a training config, not a model's."""
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"run_dir": str(run), "seed": 0}))
+    step = run / "checkpoints" / "step_00000002"
+    shutil.copytree(tiny_model_dir, step / "encoder")
+    (step / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
+    texts = synthetic_texts(5, seed=9)
+    direct = HFEncoder.from_dir(tiny_model_dir, device="cpu", progress=False)(texts)
+    via_run = HFEncoder.from_dir(run, device="cpu", progress=False)(texts)
+    np.testing.assert_array_equal(direct, via_run)
 
 
 def test_cmd_eval_writes_json(tiny_model_dir, tmp_path):

@@ -100,14 +100,13 @@ class HFEncoder:
     def from_dir(
         cls, model_dir: str | Path, *, device: str | torch.device | None = "auto", **kwargs
     ) -> HFEncoder:
-        """Load a local model folder (never downloads); kwargs as for the constructor."""
+        """Load a local model folder, a checkpoint's or a run's encoder
+        (``checkpoint.resolve_encoder``; never downloads); kwargs as for the constructor."""
         from transformers import AutoModel, AutoTokenizer
 
-        model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{model_dir}: not a Hugging Face model folder (no config.json)"
-            )
+        from retromae_ds.checkpoint import resolve_encoder
+
+        model_dir = resolve_encoder(model_dir)
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         model = load_pretrained(AutoModel, model_dir)  # an MLM folder: no pooler, expected

@@ -206,7 +206,11 @@ def evaluate_beir(
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     """Options of ``retromae-ds eval``."""
-    p.add_argument("--model", required=True, help="Hugging Face encoder folder (local)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a local Hugging Face encoder folder, a checkpoint, or a run folder (its newest)",
+    )
     p.add_argument("--beir", required=True, help="BEIR dataset folder (corpus/queries/qrels)")
     p.add_argument("--split", default="test", help="qrels split (default: test)")
     p.add_argument(
