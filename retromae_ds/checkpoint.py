@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from retromae_ds import faults
-from retromae_ds.fsutil import atomic_write_text, fsync_dir
+from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
 from retromae_ds.hfutil import quiet_transformers
 from retromae_ds.layout import (
     COMPLETE,
@@ -100,21 +101,64 @@ def resolve_encoder(path: str | Path) -> Path:
     return folder
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """``none`` -> None; ``auto`` -> newest complete checkpoint of the run (or None);
-    a path -> that checkpoint, which must be complete."""
+def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
+    """``none`` -> None; ``auto`` -> the newest complete checkpoint of the run that verifies
+    (an older one when newer ones are corrupt, saying so through ``log``), or None; a path ->
+    that checkpoint, which must be complete and verify."""
     if resume == "none":
         return None
     if resume == "auto":
-        return latest_complete(RunLayout(run_dir).checkpoints)
+        for candidate in reversed(complete_checkpoints(RunLayout(run_dir).checkpoints)):
+            try:
+                verify(candidate)
+            except CheckpointCorrupt as exc:
+                log(f"resume: skipping {candidate.name}: {exc}")
+                continue
+            return candidate
+        return None
     path = Path(resume)
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MARKER} marker)")
+    verify(path)
     return path
 
 
 def read_marker(ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / MARKER).read_text())
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint whose files do not match its completion record."""
+
+
+def file_records(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``folder`` (relative POSIX paths), except the
+    completion record itself."""
+    records = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel != MARKER:
+            records[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return records
+
+
+def verify(ckpt: Path) -> None:
+    """Check every file listed in the completion record (size, then sha256); raise
+    CheckpointCorrupt naming the first file that does not match. A record without a file list
+    (written before the lists existed) is accepted as it is."""
+    try:
+        marker = read_marker(ckpt)
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{ckpt / MARKER}: unreadable completion record ({exc})") from None
+    for rel, want in marker.get("files", {}).items():
+        path = ckpt / rel
+        if not path.is_file():
+            raise CheckpointCorrupt(f"{path}: listed in {MARKER} but missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointCorrupt(f"{path}: {size} bytes, {MARKER} says {want['bytes']}")
+        if sha256_file(path) != want["sha256"]:
+            raise CheckpointCorrupt(f"{path}: sha256 differs from {MARKER} (corrupted)")
 
 
 # --------------------------------------------------------------------------- rank state
@@ -156,10 +200,18 @@ def read_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- publishing
 def publish(staging: Path, final: Path, marker: dict[str, Any], keep_last: int) -> None:
-    """Rank 0, after all ranks wrote ``staging``: mark complete, rename, prune old ones."""
-    atomic_write_text(staging / MARKER, json.dumps(marker, indent=2))
-    if final.exists():  # the same step saved again after a resume: keep the older copy
-        shutil.rmtree(staging)
+    """Rank 0, after all ranks wrote ``staging``: write the completion record (with every
+    file's size and sha256), rename into place, prune old ones. A folder already at ``final``
+    (the same step saved again after resuming from an older checkpoint, or one left without
+    its record or corrupt) is replaced by the new, complete one."""
+    record = {**marker, "files": file_records(staging)}
+    atomic_write_text(staging / MARKER, json.dumps(record, indent=2))
+    if final.exists():
+        old = final.with_name(final.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, final)
     fsync_dir(final.parent)
@@ -241,9 +293,29 @@ class CheckpointManager:
         ``engine`` and this process's RNG; None when there is nothing to resume."""
         from retromae_ds import engine as eng
 
-        checkpoint = resolve_resume(resume, self.layout.root)
-        if checkpoint is None:
+        def note(text: str) -> None:
+            print(text, file=sys.stderr, flush=True)
+
+        # rank 0 checks the files and chooses; every rank loads the same checkpoint (or
+        # raises the same error)
+        chosen, problem = None, None
+        if self.rank == 0:
+            try:
+                found = resolve_resume(resume, self.layout.root, log=note)
+            except (FileNotFoundError, ValueError) as exc:
+                problem = (type(exc).__name__, str(exc))
+            else:
+                chosen = None if found is None else str(found)
+                newest = latest_complete(self.layout.checkpoints)
+                if found is not None and resume == "auto" and newest != found:
+                    note(f"resume: falling back to {found.name}, the newest that verifies")
+        chosen, problem = eng.broadcast_object((chosen, problem))
+        if problem is not None:
+            kind = CheckpointCorrupt if problem[0] == "CheckpointCorrupt" else FileNotFoundError
+            raise (ValueError if problem[0] == "ValueError" else kind)(problem[1])
+        if chosen is None:
             return None
+        checkpoint = Path(chosen)
         marker = read_marker(checkpoint)
         if marker["world_size"] != self.world_size:
             raise ValueError(

@@ -216,6 +216,16 @@ def broadcast_object(obj: Any) -> Any:
     return obj
 
 
+def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
+    """For each flag, True on every rank when it is true on at least one (one all-reduce);
+    every rank must call it."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return list(flags)
+    value = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return [bool(v) for v in value.tolist()]
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when ``flag`` is true on at least one; every rank must call it."""
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):

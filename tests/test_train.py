@@ -511,3 +511,94 @@ def test_encoder_frozen_steps_train_only_the_heads_first(tmp_path, synthetic_sha
 
         opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(1))], "body": True}])
         build_scheduler(opt, OptimConfig(encoder_frozen_steps=4), 4)
+
+
+# --- reliability: checkpoints are verified and never lose to a bad one ---------------------------
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
+    tmp_path, synthetic_shards
+):
+    """Fault injection: one flipped byte in a random file of the newest checkpoint. `--resume
+    auto` says so, falls back to the previous checkpoint that verifies, and the losses after
+    it equal an uninterrupted run's; the new checkpoint of that step replaces the bad one."""
+    import random
+
+    common = ["--max_steps", "8", "--log_every", "1", "--checkpoint.every_steps", "2",
+              "--checkpoint.keep_last", "0"]  # fmt: skip
+    pretrain(tmp_path / "whole", synthetic_shards, *common)
+    whole = metrics(tmp_path / "whole")
+    run = tmp_path / "run"
+    pretrain(run, synthetic_shards, *common, "--stop_at_step", "6")
+    step6 = run / "checkpoints" / ckpt.tag_for(6)
+    files = sorted(ckpt.read_marker(step6)["files"])
+    victim = step6 / random.Random(len(files)).choice(files)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointCorrupt, match=victim.name):
+        ckpt.verify(step6)
+    result = pretrain(run, synthetic_shards, *common)
+    assert "falling back to step_00000004" in result.stderr and victim.name in result.stderr
+    resumed = metrics(run)[6:]  # rows 1-6 of the first run, then 5-8 after the fallback
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    for a, b in zip(whole[4:], resumed, strict=True):
+        assert (a["step"], a["loss"], a["decoder_loss"]) == (
+            b["step"],
+            b["loss"],
+            b["decoder_loss"],
+        )
+    ckpt.verify(step6)  # replaced by the new, complete one
+    # naming the corrupt checkpoint explicitly is a one-line error naming the file
+    data = bytearray(victim.read_bytes())
+    victim.write_bytes(bytes(data[: len(data) // 2]))
+    bad = pretrain(run, synthetic_shards, *common, "--resume", str(step6), check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert f"{victim}: " in bad.stderr and "bytes" in bad.stderr
+
+
+@pytest.mark.slow
+def test_a_step_folder_without_its_record_loses_to_the_new_checkpoint(tmp_path, synthetic_shards):
+    """The newest checkpoint lost its COMPLETE record: the rerun resumes from the one before,
+    and its new checkpoint of that step is kept (it used to be thrown away, so every rerun
+    repeated the same steps)."""
+    run = tmp_path / "run"
+    common = ["--max_steps", "4", "--log_every", "1", "--checkpoint.every_steps", "2"]
+    pretrain(run, synthetic_shards, *common)
+    step4 = run / "checkpoints" / ckpt.tag_for(4)
+    (step4 / ckpt.MARKER).unlink()
+    pretrain(run, synthetic_shards, *common)
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 3, 4]
+    assert ckpt.read_marker(step4)["step"] == 4
+    ckpt.verify(step4)
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_the_run_without_saving(tmp_path, synthetic_shards):
+    run = tmp_path / "run"
+    result = pretrain(
+        run, synthetic_shards, "--max_steps", "6", "--log_every", "1",
+        "--checkpoint.every_steps", "1", "--optim.lr", "1e30", "--optim.warmup_steps", "1",
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    line = [x for x in result.stderr.splitlines() if "error:" in x][-1]
+    assert "non-finite loss at step" in line
+    bad_step = int(line.split("non-finite loss at step ")[1].split()[0])
+    steps = [int(p.name[5:]) for p in ckpt.complete_checkpoints(run / "checkpoints")]
+    assert steps and max(steps) == bad_step - 1  # nothing saved from the non-finite state
+    assert all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in metrics(run))
+
+
+def test_config_errors_are_one_line(tmp_path, synthetic_shards):
+    cmd = [sys.executable, "-m", "retromae_ds.train", "--data.shards", str(synthetic_shards),
+           "--run_dir", str(tmp_path / "r"), "--max_steps", "2", "--optim.lrr", "1"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "retromae-ds pretrain: error: unknown config field(s): optim.lrr"
+    ]
+    debug = subprocess.run(cmd, cwd=REPO, env={**ENV, "RETROMAE_DS_DEBUG": "1"},
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert debug.returncode != 0 and "Traceback" in debug.stderr

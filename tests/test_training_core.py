@@ -103,7 +103,11 @@ def test_trainer_hooks_accumulation_and_exact_resume_on_a_toy_task(tmp_path):
                          ("write_models", 2)]  # fmt: skip
     assert kinds.count(("write_models", 6)) == 1  # the final checkpoint, written once
     record = ckpt.read_marker(RunLayout(tmp_path / "whole").checkpoint(6))
-    assert record == {"step": 6, "world_size": 1, "objective": "toy"}
+    assert {k: record[k] for k in ("step", "world_size", "objective")} == {
+        "step": 6, "world_size": 1, "objective": "toy"}  # fmt: skip
+    # the record lists every file with its size and sha256, and they verify
+    assert "rank_00000.pt" in record["files"] and "weights.pt" in record["files"]
+    ckpt.verify(RunLayout(tmp_path / "whole").checkpoint(6))
     # micro-batches of 4, two per step: the sampler consumed 8 samples a step
     state = ckpt.read_rank_state(RunLayout(tmp_path / "whole").checkpoint(4), 0)
     assert state["sampler"]["consumed"] == 32 and state["boundaries"] == 4

@@ -80,6 +80,9 @@ class RunConfig:
     stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     """Signals that stop the run cleanly: every rank finishes the current optimizer step, a
     complete checkpoint is written, and the process exits with EXIT_REQUEUE (85). [] disables."""
+    stop_on_nonfinite: bool = True
+    """Stop the run with an error, saving nothing, when a loss is NaN or infinite on any rank
+    (the last checkpoint stays the newest); false trains on."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)

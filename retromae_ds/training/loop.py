@@ -39,6 +39,10 @@ from retromae_ds.training.optim import build_optimizer, build_scheduler
 from retromae_ds.training.signals import EXIT_REQUEUE, StopRequested, StopSignals
 
 
+class NonFiniteLoss(RuntimeError):
+    """A loss was NaN or infinite; the run stopped before checkpointing that state."""
+
+
 def _nothing() -> dict[str, Any]:
     return {}
 
@@ -161,11 +165,14 @@ class Trainer:
         window: list[torch.Tensor] = []
         counts: dict[str, float] = {}
         t_last = time.perf_counter()
+        bad_loss = torch.zeros((), dtype=torch.bool, device=dist.device)
         try:
             while step < self.max_steps:
                 batch = next(batches)
                 batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
                 out = engine(batch)
+                if cfg.stop_on_nonfinite:
+                    bad_loss |= ~torch.isfinite(out["loss"].detach())
                 engine.backward(out["loss"])
                 engine.step()
                 self.sampler.advance(hooks.consumed(batch))
@@ -179,9 +186,17 @@ class Trainer:
                 self.step = step
                 faults.pause("sleep_after_step_s")
                 # every rank joins the all-reduce at every step, so all stop at the same step
-                stopping = bool(self.stop.signals) and eng.any_rank(
-                    self.stop.received is not None, dist.device
-                )
+                if self.stop.signals or cfg.stop_on_nonfinite:
+                    stopping, nonfinite = eng.any_ranks(
+                        [self.stop.received is not None, bool(bad_loss)], dist.device
+                    )
+                    if nonfinite:
+                        raise NonFiniteLoss(
+                            f"non-finite loss at step {step} (a rank's loss was NaN or "
+                            f"infinite); stopped without saving, the newest checkpoint is "
+                            f"step {self.checkpoints.newest_step()} "
+                            "(--stop_on_nonfinite false trains on)"
+                        )
                 if step % cfg.log_every == 0 or step == self.max_steps:
                     last = self._log_row(step, window, counts, time.perf_counter() - t_last, hooks)
                     window, counts, t_last = [], {}, time.perf_counter()
@@ -247,7 +262,8 @@ def run_main(
 ) -> int:
     """The command line of a training entry point: ``--config FILE``, ``--resume``, any
     ``--section.field VALUE`` (``--help`` lists them all); exits with EXIT_REQUEUE after a stop
-    signal."""
+    signal. A bad config or input prints one line, ``PROG: error: ...``, and exits 2 (1 for a
+    missing file or a non-finite loss); ``RETROMAE_DS_DEBUG=1`` shows the traceback instead."""
     import argparse
     import os
 
@@ -266,9 +282,14 @@ def run_main(
         overrides += ["--checkpoint.resume", args.resume]
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    cfg = build_config(config_cls, args.config, overrides)
     try:
+        cfg = build_config(config_cls, args.config, overrides)
         run(cfg)
     except StopRequested:
         return EXIT_REQUEUE
+    except (ValueError, FileNotFoundError, NonFiniteLoss) as exc:
+        if os.environ.get("RETROMAE_DS_DEBUG"):
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ValueError) else 1
     return 0
