@@ -170,7 +170,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from retromae_ds.export import export_encoder
 
-    out = export_encoder(args.checkpoint, args.out, pooling=args.pooling)
+    out = export_encoder(args.checkpoint, args.out, pooling=args.pooling, overwrite=args.overwrite)
     print(f"export: encoder -> {out}")
     return 0
 
@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a complete checkpoint folder, or a run folder")
     p.add_argument("out")
     p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty OUT that is not a previous export (never a run or checkpoint)",
+    )
     p.set_defaults(func=cmd_export)
 
     # listed for --help; parsed in main() so that other commands do not import torch/faiss

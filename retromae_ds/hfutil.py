@@ -19,11 +19,17 @@ Errors still raise (transformers raises on size mismatches and conversion errors
 report); the messages held back are then replayed before the exception propagates, so the
 report that explains it is not lost. ``TRANSFORMERS_VERBOSITY=info`` (or ``debug``) shows
 everything again.
+
+``load_tokenizer_checked(folder)`` loads a model folder's tokenizer offline and refuses a folder
+without tokenizer files, or one whose vocabulary is far smaller than the model's: transformers
+would otherwise build a stand-in tokenizer of a handful of special tokens and every text would
+encode to nearly the same ids.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 import threading
@@ -129,3 +135,58 @@ def load_pretrained(
             flush=True,
         )
     return model
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+"""Any one of these makes a folder a tokenizer folder (the rest may then be derived)."""
+
+
+def load_tokenizer_checked(folder: str | Path) -> Any:
+    """``AutoTokenizer.from_pretrained(folder, local_files_only=True)``, quietly, refusing
+    (``ValueError`` naming the folder) a folder with none of ``TOKENIZER_FILES``, and a
+    tokenizer whose vocabulary is under half the ``vocab_size`` of the folder's model config."""
+    from transformers import AutoTokenizer
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such tokenizer folder")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{folder}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer with the model"
+        )
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{folder}: cannot load its tokenizer: {exc}") from exc
+    model_vocab = _config_vocab_size(folder)
+    if model_vocab is not None and 2 * len(tokenizer) < model_vocab:
+        raise ValueError(
+            f"{folder}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size "
+            f"is {model_vocab}; the tokenizer files do not belong to this model"
+        )
+    return tokenizer
+
+
+def _config_vocab_size(folder: Path) -> int | None:
+    """``vocab_size`` of ``folder/config.json`` (top level or its ``text_config``), or None."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config")
+    if "vocab_size" not in config and isinstance(text_config, dict):
+        config = text_config
+    size = config.get("vocab_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None

@@ -68,10 +68,14 @@ def prepare(
     workers: int = 1,
     progress: bool = True,
 ) -> Path:
-    """Tokenize the corpus and the split's queries into ``out`` (skipped when already done)."""
+    """Tokenize the corpus and the split's queries into ``out`` (skipped when already done).
+    ``tokenizer_dir`` (the initial encoder's folder) must hold the model's own tokenizer
+    (``load_tokenizer_checked``), else a ``ValueError`` naming it."""
     from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
     from retromae_ds.eval.beir import load_qrels, load_queries
+    from retromae_ds.hfutil import load_tokenizer_checked
 
+    load_tokenizer_checked(tokenizer_dir)
     out = Path(out)
     settings = {
         "beir": str(Path(beir_dir).resolve()),

@@ -9,7 +9,9 @@
 
 Only the queries named in the split's qrels are kept, in qrels order (as BEIR does). Malformed
 input raises ``ValueError`` naming the file and line; a missing file raises
-``FileNotFoundError`` naming the path.
+``FileNotFoundError`` naming the path. ``check_beir`` refuses data that cannot give a
+meaningful score (no documents, no judged queries, no judged document in the corpus) and
+returns the judged documents absent from the corpus, which BEIR would silently score as misses.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class BeirData:
     query_ids: list[str]
     query_texts: list[str]
     qrels: dict[str, dict[str, int]]  # query id -> {doc id: relevance level}
+    corpus_source: str = "<corpus>"  # where the corpus and qrels came from, for messages
+    qrels_source: str = "<qrels>"
+
+    def missing_judged_docs(self) -> list[str]:
+        """Documents named in the qrels but absent from the corpus, sorted."""
+        corpus = set(self.corpus_ids)
+        return sorted({d for docs in self.qrels.values() for d in docs if d not in corpus})
 
     def summary(self) -> str:
         pairs = sum(len(v) for v in self.qrels.values())
@@ -157,4 +166,24 @@ def load_beir(folder: str | Path, split: str = "test") -> BeirData:
         query_ids=list(qrels),
         query_texts=[queries[qid] for qid in qrels],
         qrels=qrels,
+        corpus_source=str(folder / "corpus.jsonl"),
+        qrels_source=str(qrels_path),
     )
+
+
+def check_beir(data: BeirData) -> list[str]:
+    """Raise ``ValueError`` naming the file when ``data`` has no documents, no judged queries,
+    or none of its judged documents in the corpus; return the judged documents that are
+    missing from the corpus (scored as misses)."""
+    if not data.corpus_ids:
+        raise ValueError(f"{data.corpus_source}: the corpus has no documents")
+    if not data.query_ids or not any(data.qrels.values()):
+        raise ValueError(f"{data.qrels_source}: no queries with qrels")
+    missing = data.missing_judged_docs()
+    judged = {d for docs in data.qrels.values() for d in docs}
+    if len(missing) == len(judged):
+        raise ValueError(
+            f"{data.qrels_source}: none of the {len(judged)} judged documents is in "
+            f"{data.corpus_source} (first: {missing[:5]}); wrong corpus or split?"
+        )
+    return missing

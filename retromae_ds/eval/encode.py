@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retromae_ds.hfutil import load_pretrained, quiet_transformers
+from retromae_ds.hfutil import load_pretrained, load_tokenizer_checked
 
 Encoder = Callable[[list[str]], np.ndarray]
 Pooling = Literal["cls", "mean"]
@@ -101,14 +101,14 @@ class HFEncoder:
         cls, model_dir: str | Path, *, device: str | torch.device | None = "auto", **kwargs
     ) -> HFEncoder:
         """Load a local model folder, a checkpoint's or a run's encoder
-        (``checkpoint.resolve_encoder``; never downloads); kwargs as for the constructor."""
-        from transformers import AutoModel, AutoTokenizer
+        (``checkpoint.resolve_encoder``; never downloads); kwargs as for the constructor.
+        A folder without a usable tokenizer is a ``ValueError`` (``load_tokenizer_checked``)."""
+        from transformers import AutoModel
 
         from retromae_ds.checkpoint import resolve_encoder
 
         model_dir = resolve_encoder(model_dir)
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = load_tokenizer_checked(model_dir)
         model = load_pretrained(AutoModel, model_dir)  # an MLM folder: no pooler, expected
         return cls(model, tokenizer, device=resolve_device(device), **kwargs)
 

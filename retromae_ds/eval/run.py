@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from retromae_ds.eval.beir import BeirData, load_beir
+from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
 from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
 from retromae_ds.fsutil import atomic_write_text
@@ -128,15 +129,26 @@ def evaluate_beir(
         out_json: write the result there as JSON (atomically).
         verbose: print the summary table.
 
+    Raises ``ValueError`` for an empty corpus, no judged queries, or no judged document in the
+    corpus; judged documents missing from the corpus are counted, with a warning on stderr.
+
     Returns:
         ``{"dataset", "split", "model", "num_corpus", "num_queries", "num_queries_skipped",
-        "metrics": {measure: mean}, "per_query": {qid: {measure: value}}, "settings",
-        "seconds"}``.
+        "qrels_docs_missing", "metrics": {measure: mean}, "per_query": {qid: {measure: value}},
+        "settings", "seconds"}``.
     """
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
     seconds["load"] = time.perf_counter() - t
+    missing_docs = check_beir(data)
+    if missing_docs:
+        print(
+            f"eval: warning: {len(missing_docs)} judged document(s) of {data.qrels_source} are "
+            f"not in {data.corpus_source} and count as misses (first: {missing_docs[:5]})",
+            file=sys.stderr,
+            flush=True,
+        )
     if isinstance(encoder, (str, Path)):
         model_name = str(encoder)
         encoder = HFEncoder.from_dir(
@@ -182,6 +194,7 @@ def evaluate_beir(
         "num_corpus": len(data.corpus_ids),
         "num_queries": len(per_query),
         "num_queries_skipped": len(data.qrels) - len(per_query),
+        "qrels_docs_missing": len(missing_docs),
         "metrics": mean,
         "settings": {
             "pooling": pooling,
