@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,13 +178,16 @@ def _load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> hand
 
 class NegativesInUse:
     """The negatives version every rank trains on, swapped at step boundaries (all ranks or
-    none) when the refresher has published a newer one."""
+    none) when the refresher has published a newer one. An unreadable pointer, or a newer
+    version that does not load, keeps the version in use: the problem is noted once (until it
+    changes or clears) and the pointer is read again at the next check."""
 
     def __init__(
         self, root: Path, ts: ance_data.TrainingSet, negatives: handoff.Negatives, dist
     ) -> None:
         self.root, self.ts, self.current, self.dist = root, ts, negatives, dist
         self.note: dict[str, Any] = {}  # refresh timings of a new version, for the next log row
+        self.problem: str | None = None  # the last problem noted, so it is noted only once
 
     def log_fields(self, step: int) -> dict[str, Any]:
         fields = {
@@ -195,35 +198,86 @@ class NegativesInUse:
         self.note = {}
         return fields
 
+    def _report(self, problem: str | None, trainer: Trainer) -> None:
+        if problem is not None and problem != self.problem:
+            trainer.note(problem)
+        self.problem = problem
+
     def maybe_swap(self, step: int, trainer: Trainer) -> None:
-        newest = None
+        newest, problem = None, None
         if self.dist.rank == 0:
-            pointer = handoff.read_pointer(self.root)
-            newest = pointer["version"] if pointer else None
-        newest = eng.broadcast_object(newest)
+            try:
+                pointer = handoff.read_pointer(self.root)
+                newest = pointer["version"] if pointer else None
+            except handoff.HandoffError as exc:
+                problem = f"finetune: keeping negatives v{self.current.version}: {exc}"
+        newest, problem = eng.broadcast_object((newest, problem))
         if newest is None or newest <= self.current.version:
+            self._report(problem, trainer)
             return
         try:
             loaded, problem = _load_negatives(self.root, newest, self.ts), None
-        except (FileNotFoundError, ValueError) as exc:  # pruned or foreign
-            loaded, problem = None, exc
+        except (FileNotFoundError, ValueError) as exc:  # pruned, corrupt or foreign
+            loaded, problem = None, f"finetune: negatives v{newest} not used: {exc}"
         # every rank swaps, or none does
         if eng.any_rank(loaded is None, self.dist.device):
-            trainer.note(f"finetune: negatives v{newest} not used: {problem}")
+            self._report(problem or f"finetune: negatives v{newest} not used on a rank", trainer)
             return
+        self._report(None, trainer)
         self.current = loaded
         self.note = {f"refresh_{k}": v for k, v in self.current.manifest.get("timings", {}).items()}
         trainer.note(f"finetune: step {step}: negatives v{newest} (from step {self.current.step})")
 
 
+def _start_version(
+    root: Path, ts: ance_data.TrainingSet
+) -> tuple[handoff.Negatives | None, str | None]:
+    """Rank 0 at start-up: the version to train on first and the problem met on the way.
+
+    The version ``CURRENT`` names; when the pointer is unreadable, or names a version that
+    does not load, the newest published version that does (None when there is none).
+    """
+    tried, problem = None, None
+    try:
+        pointer = handoff.read_pointer(root)
+        if pointer is None:
+            return None, f"{root / handoff.POINTER}: no negatives version is published"
+        tried = pointer["version"]
+        return _load_negatives(root, tried, ts), None
+    except (FileNotFoundError, ValueError) as exc:  # HandoffError is a ValueError
+        problem = str(exc)
+    for version in reversed(handoff.published_versions(root)):
+        if version == tried:
+            continue
+        try:
+            loaded = _load_negatives(root, version, ts)
+        except (FileNotFoundError, ValueError):
+            continue
+        return loaded, f"{problem}; starting from negatives v{version}"
+    return None, f"{problem}; no other usable negatives version in {root}"
+
+
 def _wait_for_mined(
-    root: Path, after: int, refresher: subprocess.Popen | None, timeout_s: float, log: Path
+    root: Path,
+    after: int,
+    refresher: subprocess.Popen | None,
+    timeout_s: float,
+    log: Path,
+    report: Callable[[str], None] = print,
 ) -> int:
     """Every rank polls the shared negatives folder until a version newer than ``after`` is
-    published; fails if the local refresher exits first or nothing comes within the timeout."""
+    published; fails if the local refresher exits first or nothing comes within the timeout.
+    An unreadable pointer counts as nothing yet (reported once per distinct problem)."""
     deadline = time.monotonic() + timeout_s
+    problem = None
     while True:
-        pointer = handoff.read_pointer(root)
+        try:
+            pointer = handoff.read_pointer(root)
+        except handoff.HandoffError as exc:
+            pointer = None
+            if str(exc) != problem:
+                problem = str(exc)
+                report(f"finetune: waiting for mined negatives: {exc}")
         if pointer is not None and pointer["version"] > after:
             return eng.broadcast_object(pointer["version"])
         if refresher is not None and refresher.poll() is not None:
@@ -235,6 +289,7 @@ def _wait_for_mined(
             raise TimeoutError(
                 f"{root}: no mined negatives within {timeout_s:.0f} s of the step-0 checkpoint "
                 "(negatives.mine_first needs a running refresher)"
+                + (f"; last problem: {problem}" if problem else "")
             )
         time.sleep(1.0)
 
@@ -310,7 +365,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
         )
     eng.barrier()
     ts = ance_data.load(prepared)
-    if dist.rank == 0 and handoff.read_pointer(layout.negatives) is None:
+    if dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
         manifest = publish_bm25(cfg.refresh, ts, layout.negatives)
         print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
@@ -338,19 +393,28 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
     max_steps = steps_for(cfg, max(1, micro_per_epoch // cfg.grad_accum))
     trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
     restored = trainer.resume()
+    start, start_problem = None, None
     if restored is not None:
         version = int(restored.rank_state["negatives_version"])
     else:
-        pointer = handoff.read_pointer(layout.negatives) if dist.rank == 0 else None
-        version = eng.broadcast_object(pointer["version"] if pointer else None)
-    negatives = NegativesInUse(
-        layout.negatives, ts, _load_negatives(layout.negatives, version, ts), dist
-    )
+        # rank 0 reads the pointer (falling back past an unreadable one); all ranks agree
+        if dist.rank == 0:
+            start, start_problem = _start_version(layout.negatives, ts)
+        version, start_problem = eng.broadcast_object(
+            (start.version if start else None, start_problem)
+        )
+        if version is None:
+            raise handoff.HandoffError(f"finetune: no usable negatives: {start_problem}")
+    if start is None or start.version != version:
+        start = _load_negatives(layout.negatives, version, ts)
+    negatives = NegativesInUse(layout.negatives, ts, start, dist)
     build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed)
     trainer.start_log(
         f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
         f"negatives v{version}" + (f", resumed at step {restored.step}" if restored else "")
     )
+    if start_problem is not None:
+        trainer.note(f"finetune: {start_problem}")
 
     def batches() -> Iterator[dict[str, torch.Tensor]]:
         while True:
@@ -396,6 +460,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals) -> dict[str, Any]:
                 refresher,
                 cfg.negatives.mine_first_timeout_s,
                 layout.refresher_log,
+                trainer.note,
             )
             negatives.current = _load_negatives(layout.negatives, version, ts)
             trainer.note(f"finetune: step 0: negatives v{version} mined from the initial encoder")

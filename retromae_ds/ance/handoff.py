@@ -11,7 +11,9 @@ fsynced and renamed to ``v{N}.arrow``; its manifest is written the same way; onl
 ``CURRENT`` replaced by an atomic rename. A reader reads ``CURRENT``, then the file it names,
 and checks the file's sha256 against the pointer, so it only ever sees complete versions; a
 writer killed at any point leaves at most hidden temporary files (removed on the next
-publish) and the previous pointer in place.
+publish) and the previous pointer in place. A pointer damaged anyway (by hand, by a broken
+file system) raises ``HandoffError`` naming it; ``next_version`` then numbers from the
+published versions alone, and the next ``publish`` replaces the bad pointer.
 
 File schema (``NEGATIVES_SCHEMA``): one row per training query, in training-set order,
 ``negatives`` = passage indices (int32) into the training set's passage table. The manifest
@@ -45,6 +47,10 @@ NEGATIVES_SCHEMA = pa.schema(
     metadata={b"retromae_ds.negatives_schema_version": str(SCHEMA_VERSION).encode()},
 )
 _VERSION_FILE = re.compile(r"^v(\d+)\.json$")
+
+
+class HandoffError(ValueError):
+    """The ``CURRENT`` pointer is unreadable (not JSON, not a pointer); names the file."""
 
 
 def data_file(root: Path, version: int) -> Path:
@@ -87,7 +93,10 @@ def next_version(root: Path) -> int:
     """The version number a new publication gets: one past every version ever published
     (a restarted refresher continues the sequence; a killed one never consumed a number)."""
     versions = published_versions(root)
-    pointer = read_pointer(root)
+    try:
+        pointer = read_pointer(root)
+    except HandoffError:  # the pointer is lost, the versions are not: number past them
+        pointer = None
     last = max(versions + ([pointer["version"]] if pointer else []), default=-1)
     return last + 1
 
@@ -174,15 +183,30 @@ def publish(
 
 
 def read_pointer(root: Path) -> dict[str, Any] | None:
-    """The current pointer, or None before the first publication."""
+    """The current pointer, or None before the first publication. Raises ``HandoffError``
+    (naming the file) when ``CURRENT`` exists but is not a valid pointer."""
+    path = Path(root) / POINTER
     try:
-        text = (Path(root) / POINTER).read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
-    pointer = json.loads(text)  # replaced by rename: never half-written
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HandoffError(f"{path}: unreadable negatives pointer ({exc})") from exc
+    try:
+        pointer = json.loads(text)  # replaced by rename: never half-written by us
+    except json.JSONDecodeError as exc:
+        raise HandoffError(f"{path}: negatives pointer is not valid JSON ({exc})") from exc
+    if not isinstance(pointer, dict):
+        raise HandoffError(
+            f"{path}: negatives pointer is a JSON {type(pointer).__name__}, not an object"
+        )
     for key in ("version", "step", "path", "sha256"):
         if key not in pointer:
-            raise ValueError(f"{Path(root) / POINTER}: pointer lacks {key!r}")
+            raise HandoffError(f"{path}: negatives pointer lacks {key!r}")
+    for key in ("version", "step"):
+        value = pointer[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HandoffError(f"{path}: negatives pointer has {key}={value!r}")
     return pointer
 
 

@@ -15,10 +15,13 @@ trainer's ``--refresher local`` subprocess) that loops:
    ``negatives/v{N}.arrow`` + manifest + the ``CURRENT`` pointer (``handoff.publish``).
 
 Versions continue from the last published one after a restart; a refresher killed at any
-point leaves only the hidden ``.work`` folder, never a visible partial version. It exits when
-the trainer has written ``RUN/FINISHED`` (after this refresher started) and no newer
-checkpoint is waiting, after ``max_versions`` versions, or after ``idle_timeout_s`` without a
-new checkpoint. Timings per version go to ``RUN/refresh_metrics.jsonl`` and the manifest.
+point leaves only the hidden ``.work`` folder, never a visible partial version. An unreadable
+``CURRENT`` pointer is reported (once) and treated as "current version unknown": the next
+checkpoint is mined into the version after the highest published one, whose publication
+replaces the bad pointer. It exits when the trainer has written ``RUN/FINISHED`` (after this
+refresher started) and no newer checkpoint is waiting, after ``max_versions`` versions, or
+after ``idle_timeout_s`` without a new checkpoint. Timings per version go to
+``RUN/refresh_metrics.jsonl`` and the manifest.
 """
 
 from __future__ import annotations
@@ -305,10 +308,11 @@ def run_refresher(cfg: RefreshConfig) -> int:
     published = 0
     last_new = time.monotonic()
     ts = None
+    reported: set[str] = set()  # pointer problems already printed
     while True:
         action: dict[str, Any] = {"do": "wait"}
         if group.rank == 0:
-            action = _next_action(cfg, layout, data_dir, started, last_new)
+            action = _next_action(cfg, layout, data_dir, started, last_new, reported)
         action = group.broadcast(action)
         if action["do"] == "stop":
             if group.rank == 0:
@@ -343,23 +347,40 @@ def _source(root: Path, version: int) -> str | None:
 
 
 def _next_action(
-    cfg: RefreshConfig, layout: RunLayout, data_dir: Path, started: float, last_new: float
+    cfg: RefreshConfig,
+    layout: RunLayout,
+    data_dir: Path,
+    started: float,
+    last_new: float,
+    reported: set[str] | None = None,
 ) -> dict[str, Any]:
     root = layout.negatives
     finished = layout.finished
     done = finished.is_file() and finished.stat().st_mtime >= started - 1
     if cfg.idle_timeout_s and time.monotonic() - last_new > cfg.idle_timeout_s:
         return {"do": "stop", "why": f"no new checkpoint for {cfg.idle_timeout_s:.0f} s"}
-    pointer = handoff.read_pointer(root)
-    if not (data_dir / ance_data.READY).is_file() or pointer is None:
+    try:
+        pointer, unknown = handoff.read_pointer(root), False
+    except handoff.HandoffError as exc:
+        # the current version is unknown; publishing the next one replaces the bad pointer
+        pointer, unknown = None, True
+        if reported is None or str(exc) not in reported:
+            print(f"refresh: {exc}; will publish a new version", file=sys.stderr, flush=True)
+            if reported is not None:
+                reported.add(str(exc))
+    if not (data_dir / ance_data.READY).is_file() or (pointer is None and not unknown):
         # the trainer prepares the data and publishes the BM25 version first
         return {"do": "stop", "why": "the trainer finished"} if done else {"do": "wait"}
     newest = ckpt.latest_complete(layout.checkpoints)
-    # BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer
-    bm25 = _source(root, pointer["version"]) == "bm25"
-    if newest is not None and (
-        bm25 or ckpt.read_marker(newest)["step"] >= pointer["step"] + max(1, cfg.min_new_steps)
-    ):
+    # BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer (and so
+    # it is when the current version is unknown)
+    fresh = newest is not None and (
+        unknown
+        or _source(root, pointer["version"]) == "bm25"
+        or ckpt.read_marker(newest)["step"] >= pointer["step"] + max(1, cfg.min_new_steps)
+    )
+    if fresh:
+        # numbered past every published version (data + manifest), whatever the pointer says
         return {"do": "refresh", "checkpoint": str(newest), "version": handoff.next_version(root)}
     if done:
         return {"do": "stop", "why": "the trainer finished"}
