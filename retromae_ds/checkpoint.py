@@ -291,6 +291,12 @@ class CheckpointManager:
     def restore(self, engine, resume: str) -> Restored | None:
         """Load the checkpoint ``resume`` names (``auto``, ``none`` or a path) into
         ``engine`` and this process's RNG; None when there is nothing to resume."""
+        checkpoint = self.choose(resume)
+        return None if checkpoint is None else self.load(engine, checkpoint)
+
+    def choose(self, resume: str) -> Path | None:
+        """The checkpoint ``resume`` names, verified (collective: rank 0 checks the files and
+        chooses, every rank gets the same answer or the same error)."""
         from retromae_ds import engine as eng
 
         def note(text: str) -> None:
@@ -313,9 +319,12 @@ class CheckpointManager:
         if problem is not None:
             kind = CheckpointCorrupt if problem[0] == "CheckpointCorrupt" else FileNotFoundError
             raise (ValueError if problem[0] == "ValueError" else kind)(problem[1])
-        if chosen is None:
-            return None
-        checkpoint = Path(chosen)
+        return None if chosen is None else Path(chosen)
+
+    def load(self, engine, checkpoint: Path) -> Restored:
+        """Engine state, this rank's RNG and state from a chosen checkpoint."""
+        from retromae_ds import engine as eng
+
         marker = read_marker(checkpoint)
         if marker["world_size"] != self.world_size:
             raise ValueError(

@@ -602,3 +602,21 @@ def test_config_errors_are_one_line(tmp_path, synthetic_shards):
     debug = subprocess.run(cmd, cwd=REPO, env={**ENV, "RETROMAE_DS_DEBUG": "1"},
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+@pytest.mark.slow
+def test_resume_refuses_settings_that_change_its_meaning(tmp_path, synthetic_shards):
+    run = tmp_path / "run"
+    pretrain(run, synthetic_shards, "--max_steps", "2", "--log_every", "1")
+    saved = (run / "config.json").read_text()
+    for override, field in (
+        (["--micro_batch_size", "4"], "micro_batch_size (8 -> 4)"),
+        (["--model.objective.name", "mlm"], "model.objective.name ('retromae' -> 'mlm')"),
+    ):
+        bad = pretrain(run, synthetic_shards, "--max_steps", "4", *override, check=False)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+        assert field in bad.stderr and "config.json" in bad.stderr
+        assert (run / "config.json").read_text() == saved  # the run's config is kept
+    # how long it runs may change
+    pretrain(run, synthetic_shards, "--max_steps", "3", "--log_every", "1")
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]

@@ -38,6 +38,52 @@ from retromae_ds.training.config import RunConfig
 from retromae_ds.training.optim import build_optimizer, build_scheduler
 from retromae_ds.training.signals import EXIT_REQUEUE, StopRequested, StopSignals
 
+RESUME_MAY_CHANGE = (
+    "run_dir", "max_steps", "epochs", "stop_at_step", "log_every", "progress", "stop_signals",
+    "stop_on_nonfinite", "checkpoint", "deepspeed.timeout_s", "data.num_workers", "data.workers",
+    "refresher", "refresher_device", "refresh.device", "refresh.poll_s", "refresh.progress",
+    "refresh.idle_timeout_s", "refresh.max_versions", "refresh.run_dir",
+    "negatives.mine_first_timeout_s",
+)  # fmt: skip
+"""Config fields (or sections) a resumed run may change: how long, how often, where to log
+and save. Every other field changes what the resumed steps compute."""
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume_config(cfg: RunConfig, saved: Path) -> None:
+    """Refuse to resume with settings that change the meaning of the run: compare ``cfg``
+    with the config saved by the run that wrote the checkpoint (``saved``), naming the first
+    fields that differ. Fields in RESUME_MAY_CHANGE may differ."""
+    if not saved.is_file():
+        return  # a checkpoint from elsewhere: nothing to compare with
+    old = _flatten(json.loads(saved.read_text()))
+    new = _flatten(to_dict(cfg))
+    allowed = tuple(RESUME_MAY_CHANGE)
+
+    def may_change(key: str) -> bool:
+        return any(key == a or key.startswith(a + ".") for a in allowed)
+
+    changed = [
+        f"{key} ({old.get(key)!r} -> {new.get(key)!r})"
+        for key in sorted(set(old) | set(new))
+        if not may_change(key) and old.get(key) != new.get(key)
+    ]
+    if changed:
+        raise ValueError(
+            f"resume: {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''} differ from "
+            f"{saved}; these change what the resumed steps compute. Keep them, or start a new "
+            "run_dir (or --resume none to start over)"
+        )
+
 
 class NonFiniteLoss(RuntimeError):
     """A loss was NaN or infinite; the run stopped before checkpointing that state."""
@@ -111,10 +157,13 @@ class Trainer:
     def resume(self) -> Restored | None:
         """Restore engine, RNG and sampler from ``checkpoint.resume``; the caller restores
         its own state from ``restored.rank_state``."""
-        restored = self.checkpoints.restore(self.engine, self.cfg.checkpoint.resume)
-        if restored is not None:
-            self.sampler.load_state_dict(restored.rank_state["sampler"])
-            self.step = restored.step
+        checkpoint = self.checkpoints.choose(self.cfg.checkpoint.resume)
+        if checkpoint is None:
+            return None
+        check_resume_config(self.cfg, RunLayout(checkpoint.parent.parent).config)
+        restored = self.checkpoints.load(self.engine, checkpoint)
+        self.sampler.load_state_dict(restored.rank_state["sampler"])
+        self.step = restored.step
         return restored
 
     def start_log(self, note: str | None = None) -> None:
