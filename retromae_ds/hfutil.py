@@ -168,7 +168,7 @@ def load_tokenizer_checked(folder: str | Path) -> Any:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{folder}: cannot load its tokenizer: {exc}") from exc
-    model_vocab = _config_vocab_size(folder)
+    model_vocab = config_vocab_size(folder)
     if model_vocab is not None and 2 * len(tokenizer) < model_vocab:
         raise ValueError(
             f"{folder}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size "
@@ -177,7 +177,7 @@ def load_tokenizer_checked(folder: str | Path) -> Any:
     return tokenizer
 
 
-def _config_vocab_size(folder: Path) -> int | None:
+def config_vocab_size(folder: Path) -> int | None:
     """``vocab_size`` of ``folder/config.json`` (top level or its ``text_config``), or None."""
     try:
         config = json.loads((folder / "config.json").read_text())

@@ -99,6 +99,7 @@ def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
     steps_per_epoch = max(1, len(sampler) // (cfg.micro_batch_size * cfg.grad_accum))
     max_steps = steps_for(cfg, steps_per_epoch)
 
+    check_vocabulary(cfg.model.encoder, cfg.data.shards, manifest["tokenizer"])
     encoder = build_encoder(cfg.model.encoder, special.vocab_size, special.pad)
     if encoder.config.max_position_embeddings < max_length:
         raise ValueError(
@@ -127,6 +128,35 @@ def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
         marker=lambda: {"objective": cfg.model.objective.name},
     )
     return trainer.fit(_epochs(loader, sampler, collator), hooks)
+
+
+def check_vocabulary(encoder: EncoderConfig, shards: str, shards_tokenizer: dict[str, Any]) -> None:
+    """A local model folder must speak the shards' token ids: its tokenizer (when it ships
+    one) must have the shards' tokenizer fingerprint (vocabulary and special ids), and its
+    vocabulary size must be the shards' when it ships none. Presets take the shards' own."""
+    from retromae_ds.hfutil import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
+
+    folder = Path(encoder.name)
+    if not folder.is_dir():
+        return
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
+
+        problems = fingerprint_mismatch(
+            shards_tokenizer, fingerprint(load_tokenizer_checked(folder))
+        )
+        if problems:
+            raise ValueError(
+                f"model.encoder.name {folder} and data.shards {shards} use different tokenizers "
+                f"({'; '.join(problems)}); preprocess with --tokenizer {folder}"
+            )
+        return
+    model_vocab = config_vocab_size(folder)
+    if model_vocab is not None and model_vocab != shards_tokenizer["vocab_size"]:
+        raise ValueError(
+            f"model.encoder.name {folder}: vocabulary of {model_vocab} tokens and no tokenizer "
+            f"to check, but data.shards {shards} were made with {shards_tokenizer['vocab_size']}"
+        )
 
 
 def _epochs(

@@ -620,3 +620,26 @@ def test_resume_refuses_settings_that_change_its_meaning(tmp_path, synthetic_sha
     # how long it runs may change
     pretrain(run, synthetic_shards, "--max_steps", "3", "--log_every", "1")
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+
+def test_a_model_folder_with_another_vocabulary_is_refused(tmp_path, synthetic_shards):
+    """Shards made with one tokenizer never train a model folder made for another: its
+    tokenizer's fingerprint, or without one its vocabulary size, must be the shards'."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from retromae_ds.data.tokenizer import train_wordpiece
+
+    other = train_wordpiece(synthetic_texts(300, seed=7), 300, tmp_path / "other_tok")
+    config = BertConfig(vocab_size=len(other), hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32, max_position_embeddings=64)  # fmt: skip
+    with_tok, without_tok = tmp_path / "with_tok", tmp_path / "without_tok"
+    for folder in (with_tok, without_tok):
+        BertForMaskedLM(config).save_pretrained(folder)
+    other.save_pretrained(with_tok)
+    for folder, words in ((with_tok, "different tokenizers"), (without_tok, "no tokenizer")):
+        result = pretrain(tmp_path / f"run_{folder.name}", synthetic_shards, "--max_steps", "1",
+                          "--model.encoder.name", str(folder), check=False)  # fmt: skip
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert words in result.stderr and str(folder) in result.stderr
+        assert str(synthetic_shards) in result.stderr
+        assert not (tmp_path / f"run_{folder.name}" / "checkpoints").exists()
