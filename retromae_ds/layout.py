@@ -22,6 +22,7 @@ layout is written down once::
         refresher.log            the local refresher's output
         refresh_metrics.jsonl    the refresher's timings per published version
         FINISHED                 fine-tuning reached max_steps (the refresher may stop)
+        .lock                    held by the run writing here (retromae_ds.training.lock)
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ class RunLayout:
     @property
     def refresh_metrics(self) -> Path:
         return self.root / "refresh_metrics.jsonl"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / ".lock"
 
     @property
     def finished(self) -> Path:

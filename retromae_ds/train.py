@@ -23,11 +23,12 @@ from retromae_ds import engine as eng
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.sampler import ResumableDistributedSampler
-from retromae_ds.layout import ENCODER
+from retromae_ds.layout import ENCODER, RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
 from retromae_ds.tokens import SpecialIds
 from retromae_ds.training.config import RunConfig
+from retromae_ds.training.lock import hold_run_folder
 from retromae_ds.training.loop import Hooks, Trainer, run_main, steps_for
 from retromae_ds.training.signals import StopSignals
 
@@ -66,11 +67,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) pre-training; returns the final metrics row on every rank. Raises
     StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
     with StopSignals(cfg.stop_signals) as stop:  # from the start: a signal during set-up counts
-        return _train(cfg, stop)
+        dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
+        with hold_run_folder(RunLayout(cfg.run_dir), dist.rank):  # one writer per run folder
+            return _train(cfg, stop, dist)
 
 
-def _train(cfg: TrainConfig, stop: StopSignals) -> dict[str, Any]:
-    dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
+def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     data = ShardDataset(cfg.data.shards)

@@ -643,3 +643,42 @@ def test_a_model_folder_with_another_vocabulary_is_refused(tmp_path, synthetic_s
         assert words in result.stderr and str(folder) in result.stderr
         assert str(synthetic_shards) in result.stderr
         assert not (tmp_path / f"run_{folder.name}" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_one_writer_per_run_folder(tmp_path, synthetic_shards):
+    """A second run into a folder that a live run writes to fails at once naming the holder;
+    the first finishes untouched. A lock left by a killed run is taken over."""
+    import time
+
+    run = tmp_path / "run"
+    args = ["--data.shards", str(synthetic_shards), "--run_dir", str(run), "--progress", "false",
+            "--model.encoder.name", "tiny", "--model.encoder.max_position_embeddings", "64",
+            "--micro_batch_size", "8", "--optim.lr", "1e-3", "--optim.warmup_steps", "2",
+            "--log_every", "1", "--max_steps", "6"]  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "retromae_ds.train", *args],
+        cwd=REPO,
+        env={**ENV, **faults.env(sleep_after_step_s=1.0)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the first run is training (it holds the lock before writing)
+        second = pretrain(run, synthetic_shards, "--max_steps", "6", "--log_every", "1",
+                          check=False)  # fmt: skip
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+        assert "another run is writing into this folder" in second.stderr
+        assert f"pid {first.pid}" in second.stderr
+        assert first.wait(timeout=300) == 0, first.stderr.read()[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]  # one writer's rows only
+    # a killed run's lock names a dead holder: the next run takes over and says so
+    (run / ".lock").write_text(json.dumps({"pid": 999999, "host": "gone", "since": 0}))
+    again = pretrain(run, synthetic_shards, "--max_steps", "7", "--log_every", "1")
+    assert "taking over from pid 999999 on gone" in again.stderr
