@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from retromae_ds import checkpoint as ckpt
+from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_pretrained, load_tokenizer_checked, quiet_transformers
 from retromae_ds.layout import COMPLETE, ENCODER, RunLayout
 
@@ -94,6 +95,7 @@ def export_encoder(
     staging = _fresh_sibling(out, ".partial")
     try:
         _write_export(staging, source, resolved, pooling, tokenizer)
+        chmod_tree_as_created(staging)  # readable by a serving job under another user
         _replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,4 +1,9 @@
-"""Crash-safe file writes shared by every stage: a file is either absent or complete."""
+"""Crash-safe file writes shared by every stage: a file is either absent or complete.
+
+Files made here get the permissions an ordinary ``open`` would give them (``0o666 & ~umask``),
+not ``tempfile``'s private 0600: manifests, checkpoint records and exports are read by
+teammates and serving jobs under other users.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        chmod_as_created(fd)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -22,6 +28,42 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``os.umask`` alone
+    must set it to read it, which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def chmod_as_created(fd_or_path: int | str | Path, *, folder: bool = False) -> None:
+    """Give a ``tempfile.mkstemp`` file (or ``mkdtemp`` folder, ``folder=True``) the mode
+    ``open``/``mkdir`` would have: ``0o666 & ~umask`` (``0o777 & ~umask``)."""
+    mode = (0o777 if folder else 0o666) & ~current_umask()
+    if isinstance(fd_or_path, int):
+        os.fchmod(fd_or_path, mode)
+    else:
+        os.chmod(fd_or_path, mode)
+
+
+def chmod_tree_as_created(folder: str | Path) -> None:
+    """``chmod_as_created`` over a folder and everything below it: for trees written by
+    libraries that stage through ``tempfile`` (transformers' safetensors save gives 0600)."""
+    chmod_as_created(folder, folder=True)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            chmod_as_created(Path(root, name), folder=True)
+        for name in files:
+            chmod_as_created(Path(root, name))
 
 
 def fsync_dir(path: str | Path) -> None:

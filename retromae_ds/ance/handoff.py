@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
+from retromae_ds.fsutil import atomic_write_text, chmod_as_created, fsync_dir, sha256_file
 
 SCHEMA_VERSION = 1
 POINTER = "CURRENT"
@@ -116,6 +116,7 @@ def _write_arrow(path: Path, negatives: list[np.ndarray]) -> None:
     )
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        chmod_as_created(fd)  # readable like any other file of the run, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             with pa.ipc.new_file(f, NEGATIVES_SCHEMA) as writer:
                 writer.write_batch(batch)

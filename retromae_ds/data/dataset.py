@@ -123,9 +123,18 @@ class ShardDataset:
         tokenizer: the tokenizer the run will use (a Hugging Face fast tokenizer or its
             fingerprint dict); a mismatch with the shards' tokenizer raises ValueError.
         verify: check every shard's sha256 against the manifest (reads every byte once).
+        require_rows: refuse (ValueError) a corpus without a single sample, which is what
+            empty or blank-only inputs give; pass False to accept an empty dataset.
     """
 
-    def __init__(self, folder: str | Path, tokenizer: Any = None, verify: bool = False) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        tokenizer: Any = None,
+        verify: bool = False,
+        *,
+        require_rows: bool = True,
+    ) -> None:
         self.folder = Path(folder)
         manifest_path = self.folder / schema.MANIFEST_NAME
         if not manifest_path.exists():
@@ -155,6 +164,13 @@ class ShardDataset:
         per_shard = [s["packs"] if self.packed else s["rows"] for s in shards]
         self._starts = np.zeros(len(shards) + 1, dtype=np.int64)
         np.cumsum(per_shard, out=self._starts[1:])
+        if require_rows and self._starts[-1] == 0:
+            counts = self.manifest.get("counts", {})
+            raise ValueError(
+                f"{self.folder}: the dataset has no samples ({counts.get('documents', 0)} "
+                f"documents, {counts.get('rows', 0)} rows): its inputs were empty, blank-only "
+                "or every record was rejected; re-run preprocessing on inputs with text"
+            )
         self._paths = [self.folder / s["file"] for s in shards]
         for path, meta in zip(self._paths, shards, strict=True):
             if not path.exists():

@@ -13,15 +13,23 @@ Each unit of input becomes exactly one shard, written to a temporary name and re
 output is byte-identical for any worker count, a killed run redoes only missing units, and
 ``--num-tasks T --task-index I`` lets T independent processes (a Slurm array) share the work;
 ``--merge`` then writes the one manifest.
+
+A rerun into an existing folder resumes only when ``plan.json`` matches: the same settings
+(tokenizer-training ones included) and unchanged inputs (size, modification time and a content
+hash of each); anything else is refused, naming what changed. Temporaries of a killed run
+(``tokenizer.tmp-*``, ``backend.tmp-*.json``) are removed by the next run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
+import socket
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -40,6 +48,7 @@ from retromae_ds.data.sources import (
     Unit,
     dump_json,
     expand_inputs,
+    input_signature,
     plan_units,
     read_unit,
 )
@@ -180,20 +189,22 @@ def _prepare_tokenizer(cfg: PreprocessConfig, out: Path, units: list[Unit]):
 
     tok_dir = out / "tokenizer"
     if cfg.train_tokenizer is not None:
-        if (tok_dir / "tokenizer.json").exists():  # resumed run: keep the tokenizer it trained
+        # a resumed run keeps the tokenizer it trained: the plan check has made sure it was
+        # trained with these settings on these inputs
+        if (tok_dir / "tokenizer.json").exists():
             return load_tokenizer(tok_dir)
-        tmp = out / f"tokenizer.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        train_wordpiece(
-            lambda: _all_texts(units, cfg), cfg.train_tokenizer, tmp, lowercase=cfg.lowercase
-        )
-        os.replace(tmp, tok_dir)
+        tmp = _temporary(out, "tokenizer")
+        with _saving(tmp, f"{tok_dir}: cannot save the trained tokenizer"):
+            train_wordpiece(
+                lambda: _all_texts(units, cfg), cfg.train_tokenizer, tmp, lowercase=cfg.lowercase
+            )
+            os.replace(tmp, tok_dir)
         return load_tokenizer(tok_dir)
     tok = load_tokenizer(cfg.tokenizer)
     if not (tok_dir / "tokenizer.json").exists():
-        tmp = out / f"tokenizer.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(str(tmp))
+        tmp = _temporary(out, "tokenizer")
+        with _saving(tmp, f"{tok_dir}: cannot save a copy of the tokenizer"):
+            tok.save_pretrained(str(tmp))
         try:
             os.replace(tmp, tok_dir)
         except OSError:  # another task published it first
@@ -201,30 +212,94 @@ def _prepare_tokenizer(cfg: PreprocessConfig, out: Path, units: list[Unit]):
     return tok
 
 
-def _plan_document(
-    cfg: PreprocessConfig,
-    inputs: list,
-    shard_size: int,
-    units: list[Unit],
-    plan_rejects: list,
-    fp: dict,
-    limit: int,
+# --------------------------------------------------------------------------- temporaries
+_TEMP = re.compile(r"^(tokenizer|backend)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)(?:\.json)?$")
+
+
+def _temporary(out: Path, name: str, suffix: str = "") -> Path:
+    """A per-process temporary path in ``out``, named so that a later run can tell whether
+    its owner is gone (host and pid)."""
+    return out / f"{name}.tmp-{socket.gethostname()}-{os.getpid()}{suffix}"
+
+
+def _remove_stale_temporaries(out: Path) -> list[str]:
+    """Delete temporaries left by killed runs (their process is gone) and return their names.
+    Temporaries of another host's tasks are left alone: their owner cannot be checked here."""
+    host, removed = socket.gethostname(), []
+    for path in out.iterdir():
+        m = _TEMP.match(path.name)
+        if m is None or m["host"] not in (None, host) or _alive(int(m["pid"])):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():  # ours, from an earlier call in this process: not in use now
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _saving(tmp: Path, what: str):
+    """Remove ``tmp`` if the block fails; an OSError (disk full, quota, permissions) becomes
+    one clear error naming what could not be saved."""
+    try:
+        yield
+    except OSError as exc:
+        _remove(tmp)
+        reason = exc.strerror or str(exc)
+        hint = " (free some space, then rerun)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise OSError(f"{what}: {reason}{hint}") from exc
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _prepare_out(out: Path) -> None:
+    """Create ``out`` (and ``out/shards``), or raise one clear error naming it."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"{out}: exists and is not a folder; --out must name a new folder or an "
+            "earlier preprocessing output"
+        )
+    try:
+        (out / "shards").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"{out}: cannot create the output folder: {exc.strerror or exc}") from exc
+
+
+def _plan_settings(
+    cfg: PreprocessConfig, inputs: list, shard_size: int, units: list[Unit], plan_rejects: list
 ) -> dict:
-    """Everything that shapes the output; a resumed run must match it exactly."""
+    """Everything that shapes the output and is known before the tokenizer is ready; with
+    the tokenizer's fingerprint and row limit it makes the plan a resumed run must match."""
+    training = None
+    if cfg.train_tokenizer is not None:
+        training = {"vocab_size": cfg.train_tokenizer, "lowercase": cfg.lowercase}
     return {
         "schema_version": schema.SCHEMA_VERSION,
-        "inputs": [
-            {
-                "path": i.path,
-                "kind": i.kind,
-                "bytes": os.path.getsize(i.path) if os.path.isfile(i.path) else None,
-            }
-            for i in inputs
-        ],
+        "inputs": [{"path": i.path, "kind": i.kind, **input_signature(i.path)} for i in inputs],
         "source": asdict(cfg.source),
-        "tokenizer": fp,
+        "tokenizer_training": training,
         "max_length": cfg.max_length,
-        "max_tokens_per_row": limit,
         "packed": cfg.pack,
         "shard_size": shard_size,
         "on_error": cfg.on_error,
@@ -246,20 +321,54 @@ def _input_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def _write_or_check_plan(out: Path, plan: dict) -> None:
+def _check_plan(out: Path, plan: dict) -> bool:
+    """Raise, naming what changed, when ``out`` holds a plan that differs from ``plan`` in any
+    of ``plan``'s keys; True when there is a plan to compare with."""
     path = out / PLAN_NAME
-    text = dump_json(plan)
-    if path.exists():
-        old = path.read_text(encoding="utf-8")
-        if old != text:
-            old_plan = json.loads(old)
-            keys = sorted(k for k in plan if old_plan.get(k) != plan[k])
-            raise ValueError(
-                f"{out}: holds a run with different settings or inputs (differs in: {', '.join(keys)}); "
-                "use another --out folder, or delete this one to start over"
-            )
-        return
-    atomic_write_text(path, text)
+    if not path.exists():
+        return False
+    old = json.loads(path.read_text(encoding="utf-8"))
+    changes = [
+        _describe_change(k, old.get(k), plan[k]) for k in sorted(plan) if old.get(k) != plan[k]
+    ]
+    if changes:
+        raise ValueError(
+            f"{out}: holds a run with different settings or inputs (differs in: "
+            f"{'; '.join(changes)}); use another --out folder, or delete this one to start over"
+        )
+    return True
+
+
+def _describe_change(key: str, old: Any, new: Any) -> str:
+    if key == "inputs":
+        return "inputs (" + ", ".join(_input_changes(old or [], new)) + ")"
+    if key == "tokenizer_training":
+
+        def how(t: dict | None) -> str:
+            if t is None:
+                return "--tokenizer DIR"
+            case = "lowercase" if t["lowercase"] else "--no-lowercase"
+            return f"--train-tokenizer {t['vocab_size']} {case}"
+
+        return f"tokenizer training ({how(old)} -> {how(new)})"
+    if key == "units" or isinstance(new, (dict, list)):
+        return key
+    return f"{key} ({old!r} -> {new!r})"
+
+
+def _input_changes(old: list[dict], new: list[dict]) -> list[str]:
+    before = {i["path"]: i for i in old}
+    after = {i["path"]: i for i in new}
+    changes = [f"{p}: new" for p in after if p not in before]
+    changes += [f"{p}: no longer given" for p in before if p not in after]
+    names = {"bytes": "size", "mtime_ns": "modification time", "sample_sha256": "content"}
+    for path in after.keys() & before.keys():
+        fields = [
+            names.get(k, k) for k in sorted(after[path]) if before[path].get(k) != after[path][k]
+        ]
+        if fields:
+            changes.append(f"{path}: {', '.join(fields)} changed")
+    return sorted(changes)
 
 
 def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
@@ -268,29 +377,36 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     out = Path(cfg.out)
     if cfg.merge:
         return merge(out, progress=cfg.progress)
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_out(out)
     shard_dir = out / "shards"
-    shard_dir.mkdir(exist_ok=True)
+    removed = _remove_stale_temporaries(out)
+    if removed:
+        print(
+            f"preprocess: removed temporaries of an earlier killed run: {', '.join(removed)}",
+            file=sys.stderr,
+        )
     started = time.perf_counter()
     inputs = expand_inputs(cfg.inputs)
     shard_size = cfg.shard_size or auto_shard_size(inputs)
     units, plan_rejects = plan_units(inputs, shard_size, cfg.source, cfg.on_error)
     from retromae_ds.data.tokenizer import backend_json, fingerprint
 
+    settings = _plan_settings(cfg, inputs, shard_size, units, plan_rejects)
+    _check_plan(out, settings)  # before a tokenizer is trained or kept
     tok = _prepare_tokenizer(cfg, out, units)
     limit = cfg.max_length - tok.num_special_tokens_to_add(pair=False)
-    fp = fingerprint(tok)
-    _write_or_check_plan(
-        out, _plan_document(cfg, inputs, shard_size, units, plan_rejects, fp, limit)
-    )
+    plan = {**settings, "tokenizer": fingerprint(tok), "max_tokens_per_row": limit}
+    if not _check_plan(out, plan):
+        atomic_write_text(out / PLAN_NAME, dump_json(plan))
 
     mine = [u for u in units if u.index % cfg.num_tasks == cfg.task_index]
     todo = [u for u in mine if not _unit_complete(shard_dir, u.index)]
     for u in todo:  # leftovers of a killed run of this unit; never visible as shards
         for stale in shard_dir.glob(f"{shard_name(u.index)}.arrow.tmp*"):
             stale.unlink()
-    backend_file = out / f"backend.tmp-{os.getpid()}.json"
-    atomic_write_text(backend_file, backend_json(tok))
+    backend_file = _temporary(out, "backend", ".json")
+    with _saving(backend_file, f"{out}: cannot write the tokenizer for the workers"):
+        atomic_write_text(backend_file, backend_json(tok))
     try:
         stats = _run_units(cfg, todo, str(backend_file), limit, shard_dir, len(mine) - len(todo))
     finally:
@@ -409,6 +525,7 @@ def merge(out: Path, progress: bool = True) -> dict[str, Any]:
     }
     rejects = list(plan["plan_rejects"]) + [rej for r in records for rej in r["rejects"]]
     counts["rejected"] = len(rejects)
+    _warn_about_empty_inputs(plan, records, counts)
     manifest = {
         "format": "retromae-ds-shards",
         "schema_version": plan["schema_version"],
@@ -429,6 +546,30 @@ def merge(out: Path, progress: bool = True) -> dict[str, Any]:
         )
     atomic_write_text(out / schema.MANIFEST_NAME, dump_json(manifest))
     return manifest
+
+
+def _warn_about_empty_inputs(plan: dict, records: list[dict], counts: dict) -> None:
+    """One stderr line naming the inputs no row came out of (empty or blank-only files): the
+    dataset is still written, but training refuses a dataset without rows."""
+    rows = {i["path"]: 0 for i in plan["inputs"]}
+    path_of = {u["index"]: u["path"] for u in plan["units"]}
+    for r in records:
+        rows[path_of[r["unit"]]] = rows.get(path_of[r["unit"]], 0) + r["rows"]
+    unreadable = {r["file"] for r in plan["plan_rejects"]}  # already reported as rejects
+    empty = [p for p, n in rows.items() if n == 0 and p not in unreadable]
+    if not empty:
+        return
+    outcome = (
+        "the dataset has no rows: training and inspect will refuse it"
+        if counts["rows"] == 0
+        else f"the dataset has {counts['rows']:,} rows from the other inputs"
+    )
+    print(
+        f"preprocess: warning: no text in {len(empty)} input(s) (empty, blank-only or every "
+        f"record rejected): {', '.join(empty)}; {outcome}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _print_summary(counts: dict, shards: int, elapsed: float, stats: dict) -> None:
