@@ -142,15 +142,18 @@ def file_records(folder: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
-def verify(ckpt: Path) -> None:
-    """Check every file listed in the completion record (size, then sha256); raise
-    CheckpointCorrupt naming the first file that does not match. A record without a file list
-    (written before the lists existed) is accepted as it is."""
+def verify(ckpt: Path, under: str = "") -> None:
+    """Check every file listed in the completion record (size, then sha256), or only those
+    whose path starts with ``under`` (e.g. ``"encoder/"``); raise CheckpointCorrupt naming the
+    first file that does not match. A record without a file list (written before the lists
+    existed) is accepted as it is."""
     try:
         marker = read_marker(ckpt)
     except (OSError, ValueError) as exc:
         raise CheckpointCorrupt(f"{ckpt / MARKER}: unreadable completion record ({exc})") from None
     for rel, want in marker.get("files", {}).items():
+        if not rel.startswith(under):
+            continue
         path = ckpt / rel
         if not path.is_file():
             raise CheckpointCorrupt(f"{path}: listed in {MARKER} but missing")

@@ -248,7 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["refresh"]:
         from retromae_ds.ance.refresher import main as refresh_main
 
-        return refresh_main(argv[1:])
+        try:
+            return refresh_main(argv[1:])
+        except (ValueError, FileNotFoundError) as exc:
+            if os.environ.get("RETROMAE_DS_DEBUG"):
+                raise
+            print(f"retromae-ds refresh: error: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, ValueError) else 1
     if argv[:1] == ["eval"]:
         from retromae_ds.eval.run import add_eval_args, cmd_eval
 

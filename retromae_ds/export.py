@@ -85,6 +85,7 @@ def export_encoder(
     if pooling not in ("cls", "mean"):
         raise ValueError(f"pooling must be 'cls' or 'mean', not {pooling!r}")
     resolved = ckpt.resolve_checkpoint(checkpoint)
+    ckpt.verify(resolved, under=f"{ENCODER}/")  # a corrupt encoder is an error naming the file
     source = resolved / ENCODER
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")

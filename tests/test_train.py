@@ -562,6 +562,16 @@ def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
     bad = pretrain(run, synthetic_shards, *common, "--resume", str(step6), check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert f"{victim}: " in bad.stderr and "bytes" in bad.stderr
+    # export checks the encoder's files against the record too
+    from retromae_ds.export import export_encoder
+
+    weights = step6 / "encoder" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointCorrupt, match="model.safetensors"):
+        export_encoder(step6, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
 
 
 @pytest.mark.slow
