@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -86,6 +87,17 @@ def export_encoder(
         raise ValueError(f"pooling must be 'cls' or 'mean', not {pooling!r}")
     resolved = ckpt.resolve_checkpoint(checkpoint)
     ckpt.verify(resolved, under=f"{ENCODER}/")  # a corrupt encoder is an error naming the file
+    newer = [
+        p.name
+        for p in sorted(resolved.parent.glob("step_*"))
+        if p.name > resolved.name and p.is_dir() and not ckpt.is_checkpoint(p)
+    ]
+    if newer:  # never silently older: say which newer folders were passed over
+        print(
+            f"export: using {resolved.name}; newer {', '.join(newer)} not complete "
+            "(no completion record: still being written, or damaged)",
+            file=sys.stderr,
+        )
     source = resolved / ENCODER
     if not (source / "config.json").is_file():
         raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")

@@ -575,7 +575,9 @@ def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
 
 
 @pytest.mark.slow
-def test_a_step_folder_without_its_record_loses_to_the_new_checkpoint(tmp_path, synthetic_shards):
+def test_a_step_folder_without_its_record_loses_to_the_new_checkpoint(
+    tmp_path, synthetic_shards, capfd
+):
     """The newest checkpoint lost its COMPLETE record: the rerun resumes from the one before,
     and its new checkpoint of that step is kept (it used to be thrown away, so every rerun
     repeated the same steps)."""
@@ -584,6 +586,10 @@ def test_a_step_folder_without_its_record_loses_to_the_new_checkpoint(tmp_path, 
     pretrain(run, synthetic_shards, *common)
     step4 = run / "checkpoints" / ckpt.tag_for(4)
     (step4 / ckpt.MARKER).unlink()
+    from retromae_ds.export import export_encoder
+
+    export_encoder(run, tmp_path / "exported")  # step 2, and it says why not step 4
+    assert "using step_00000002; newer step_00000004 not complete" in capfd.readouterr().err
     pretrain(run, synthetic_shards, *common)
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 3, 4]
     assert ckpt.read_marker(step4)["step"] == 4
