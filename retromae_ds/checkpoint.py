@@ -312,7 +312,7 @@ class CheckpointManager:
             try:
                 found = resolve_resume(resume, self.layout.root, log=note)
             except (FileNotFoundError, ValueError) as exc:
-                problem = (type(exc).__name__, str(exc))
+                problem = exc  # picklable: every rank raises the same error
             else:
                 chosen = None if found is None else str(found)
                 newest = latest_complete(self.layout.checkpoints)
@@ -320,8 +320,7 @@ class CheckpointManager:
                     note(f"resume: falling back to {found.name}, the newest that verifies")
         chosen, problem = eng.broadcast_object((chosen, problem))
         if problem is not None:
-            kind = CheckpointCorrupt if problem[0] == "CheckpointCorrupt" else FileNotFoundError
-            raise (ValueError if problem[0] == "ValueError" else kind)(problem[1])
+            raise problem
         return None if chosen is None else Path(chosen)
 
     def load(self, engine, checkpoint: Path) -> Restored:

@@ -228,11 +228,7 @@ def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
 
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank when ``flag`` is true on at least one; every rank must call it."""
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+    return any_ranks([flag], device)[0]
 
 
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
