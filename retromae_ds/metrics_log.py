@@ -40,7 +40,9 @@ class MetricsLogger:
                 total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True
             )
 
-    def log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any], scope: str = "train") -> None:
+        """One JSONL row; its numbers also go to TensorBoard as ``SCOPE/KEY`` (a key that
+        already has a ``/``, e.g. ``eval/scifact/cls/ndcg@10``, is its own tag)."""
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(row) + "\n")
@@ -48,8 +50,10 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, row["step"])
-        if self._bar is not None:
+                    tag = key if "/" in key else f"{scope}/{key}"
+                    self._tb.add_scalar(tag, value, row["step"])
+            self._tb.flush()
+        if self._bar is not None and "loss" in row:
             self._bar.set_postfix_str(
                 f"loss {row['loss']:.3f}, {row['tokens_per_s']:,.0f} tok/s, lr {row['lr']:.2e}",
                 refresh=False,

@@ -4,7 +4,9 @@ Also ``python -m retromae_ds.train``. Reads shards, builds the collator and the 
 (RetroMAE, SEED-Encoder or MLM) and trains them with the shared ``Trainer``
 (``retromae_ds.training``): DeepSpeed engine, checkpoints that resume exactly (a run stopped
 after step s and resumed, same world size, computes the same losses at every later step),
-stop signals -> checkpoint -> exit 85 for requeueing. Launch it as one process, with
+stop signals -> checkpoint -> exit 85 for requeueing; with ``--eval.beir DIR`` it scores the
+encoder's zero-shot retrieval (CLS and mean pooling) every ``--eval.every`` steps into the log
+(``retromae_ds.eval.periodic``). Launch it as one process, with
 ``torchrun``, the ``deepspeed`` launcher or ``srun``; rank and world size come from the
 environment.
 """
@@ -12,7 +14,7 @@ environment.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from retromae_ds import engine as eng
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.eval.periodic import EvalConfig
 from retromae_ds.layout import ENCODER, RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
@@ -56,6 +59,7 @@ class TrainConfig(RunConfig):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         if not self.data.shards:
@@ -122,14 +126,38 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
         load_tokenizer(tokenizer_dir).save_pretrained(str(staging / ENCODER))
 
     metrics = ("loss", "mlm_loss", "mlm_accuracy") + (("decoder_loss",) if has_decoder else ())
+    evaluate = _periodic_eval(cfg, trainer, model, tokenizer_dir) if cfg.eval.enabled else None
     hooks = Hooks(
         write_models=write_models,
         metrics=metrics,
         counts=lambda batch: {"tokens": int(batch["attention_mask"].sum())},
         consumed=lambda batch: len(batch["sample_index"]),
         marker=lambda: {"objective": cfg.model.objective.name},
+        evaluate=evaluate,
+        eval_every=cfg.eval.every,
     )
     return trainer.fit(_epochs(loader, sampler, collator), hooks)
+
+
+def _periodic_eval(
+    cfg: TrainConfig, trainer: Trainer, model: PretrainModel, tokenizer_dir: Path
+) -> Callable[[], dict[str, Any]]:
+    """The ``evaluate`` hook of ``eval``: rank 0 scores the encoder body on the sample."""
+    stage = trainer.ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage >= 3:
+        raise ValueError(
+            "eval.beir needs ZeRO stage <= 2 (rank 0 encodes alone, with whole parameters); "
+            "with ZeRO-3 evaluate the checkpoints with retromae-ds eval --model RUN_DIR"
+        )
+    if trainer.dist.rank != 0:
+        return lambda: {}
+    from retromae_ds.data.tokenizer import load_tokenizer
+    from retromae_ds.eval.periodic import PeriodicEval
+
+    evaluator = PeriodicEval(cfg.eval)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    trainer.note(evaluator.describe())
+    return lambda: evaluator(model.encoder.base_model, tokenizer)
 
 
 def check_vocabulary(encoder: EncoderConfig, shards: str, shards_tokenizer: dict[str, Any]) -> None:

@@ -4,27 +4,19 @@ torchrun; the loss falls; exact resume; a crash while saving; export round trip.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_train import ENV, REPO, free_port, metrics, pretrain
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
 from synthetic import synthetic_texts
-
-REPO = Path(__file__).resolve().parents[1]
-ENV = {
-    **os.environ,
-    "DS_ACCELERATOR": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 @pytest.fixture(scope="module")
@@ -65,83 +57,6 @@ def wiki_shards(tmp_path_factory) -> Path:
         )
     )
     return root / "shards"
-
-
-def pretrain(
-    run_dir: Path,
-    shards: Path,
-    *overrides: str,
-    ranks: int = 1,
-    launcher: str = "torchrun",
-    env: dict | None = None,
-    check: bool = True,
-):
-    args = [
-        "--data.shards",
-        str(shards),
-        "--run_dir",
-        str(run_dir),
-        "--progress",
-        "false",
-        "--model.encoder.name",
-        "tiny",
-        "--model.encoder.max_position_embeddings",
-        "64",
-        "--micro_batch_size",
-        "8",
-        "--optim.lr",
-        "1e-3",
-        "--optim.warmup_steps",
-        "2",
-        *overrides,
-    ]
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "retromae_ds.train", *args]
-    elif launcher == "deepspeed":
-        cmd = [
-            "deepspeed",
-            f"--num_gpus={ranks}",
-            "--master_port",
-            str(_free_port()),
-            "--module",
-            "retromae_ds.train",
-            *args,
-        ]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            "-m",
-            "retromae_ds.train",
-            *args,
-        ]
-    result = subprocess.run(
-        cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=900
-    )
-    log = run_dir.parent / f"{run_dir.name}.launcher.log"
-    log.write_text(result.stdout + "\n---- stderr ----\n" + result.stderr)
-    if check and result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if "rror" in line or "Abort" in line]
-        raise AssertionError(
-            f"training failed ({result.returncode}); full log {log}; errors:\n"
-            + "\n".join(errors[-40:])
-        )
-    return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -409,7 +324,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
         **ENV,
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         **faults.env(sleep_after_step_s=0.3),  # time to signal mid-run
     }
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in (0, 1)]  # noqa: SIM115

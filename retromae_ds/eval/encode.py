@@ -118,9 +118,19 @@ class HFEncoder:
 
     def __call__(self, texts: Sequence[str], desc: str = "encode") -> np.ndarray:
         """Embeddings float32 ``[len(texts), D]``, row i for ``texts[i]``."""
+        return self.encode_pools(texts, (self.pooling,), desc)[self.pooling]
+
+    def encode_pools(
+        self, texts: Sequence[str], poolings: Sequence[Pooling], desc: str = "encode"
+    ) -> dict[str, np.ndarray]:
+        """One forward pass per batch, several poolings of it: ``{pooling: [len(texts), D]}``
+        float32 (e.g. CLS and mean side by side at the cost of one encoding)."""
+        bad = [p for p in poolings if p not in ("cls", "mean")]
+        if bad or not poolings:
+            raise ValueError(f"poolings must be 'cls' and/or 'mean', got {list(poolings)!r}")
         texts = list(texts)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        out: np.ndarray | None = None
+        out = {p: np.empty((len(texts), self.dim), dtype=np.float32) for p in poolings}
         was_training = self.model.training
         self.model.eval()
         try:
@@ -130,16 +140,16 @@ class HFEncoder:
             ):
                 for start in range(0, len(order), self.batch_size):
                     rows = order[start : start + self.batch_size]
-                    emb_BD = self._encode_batch([texts[i] for i in rows])
-                    if out is None:
-                        out = np.empty((len(texts), emb_BD.shape[1]), dtype=np.float32)
-                    out[rows] = emb_BD
+                    for name, emb_BD in self._encode_batch(
+                        [texts[i] for i in rows], poolings
+                    ).items():
+                        out[name][rows] = emb_BD
                     bar.update(len(rows))
         finally:
             self.model.train(was_training)
-        return out if out is not None else np.empty((0, self.dim), dtype=np.float32)
+        return out
 
-    def _encode_batch(self, texts: list[str]) -> np.ndarray:
+    def _encode_batch(self, texts: list[str], poolings: Sequence[Pooling]) -> dict[str, np.ndarray]:
         batch = self.tokenizer(
             texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
@@ -149,10 +159,13 @@ class HFEncoder:
         ):
             output = self.model(**batch)
         hidden_BLD = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-        emb_BD = pool(hidden_BLD, batch["attention_mask"], self.pooling).float()
-        if self.normalize:
-            emb_BD = torch.nn.functional.normalize(emb_BD, dim=-1)
-        return emb_BD.cpu().numpy()
+        out = {}
+        for name in poolings:
+            emb_BD = pool(hidden_BLD, batch["attention_mask"], name).float()
+            if self.normalize:
+                emb_BD = torch.nn.functional.normalize(emb_BD, dim=-1)
+            out[name] = emb_BD.cpu().numpy()
+        return out
 
 
 def encode_texts(encoder: Encoder, texts: Sequence[str], desc: str = "encode") -> np.ndarray:

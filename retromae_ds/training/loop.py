@@ -43,7 +43,7 @@ RESUME_MAY_CHANGE = (
     "stop_on_nonfinite", "checkpoint", "deepspeed.timeout_s", "data.num_workers", "data.workers",
     "refresher", "refresher_device", "refresh.device", "refresh.poll_s", "refresh.progress",
     "refresh.idle_timeout_s", "refresh.max_versions", "refresh.run_dir",
-    "negatives.mine_first_timeout_s",
+    "negatives.mine_first_timeout_s", "eval",
 )  # fmt: skip
 """Config fields (or sections) a resumed run may change: how long, how often, where to log
 and save. Every other field changes what the resumed steps compute."""
@@ -114,6 +114,12 @@ class Hooks:
     """Task fields of each log row (after the averages)."""
     after_step: Callable[[int], None] | None = None
     """At each step boundary, after the step's log row, before its checkpoint."""
+    evaluate: Callable[[], dict[str, Any]] | None = None
+    """Rank 0: scores of the current weights (e.g. ``eval.periodic.PeriodicEval``), logged as
+    their own row before the first step of a fresh run, every ``eval_every`` steps and after
+    the last; must leave the model's mode and the random-number generators untouched."""
+    eval_every: int = 0
+    """Steps between evaluations (0: only before the first and after the last step)."""
 
 
 class Trainer:
@@ -150,6 +156,8 @@ class Trainer:
             keep_last=cfg.checkpoint.keep_last,
         )
         self.step = 0
+        self.seen: dict[str, float] = {}
+        """This rank's running totals of the ``counts`` hook (tokens seen), checkpointed."""
         self.logger: MetricsLogger | None = None
         self.hooks: Hooks | None = None
 
@@ -163,6 +171,7 @@ class Trainer:
         check_resume_config(self.cfg, RunLayout(checkpoint.parent.parent).config)
         restored = self.checkpoints.load(self.engine, checkpoint)
         self.sampler.load_state_dict(restored.rank_state["sampler"])
+        self.seen = dict(restored.rank_state.get("seen", {}))  # absent before it was saved
         self.step = restored.step
         return restored
 
@@ -196,7 +205,11 @@ class Trainer:
         self.checkpoints.save(
             self.engine,
             step,
-            rank_state={"sampler": self.sampler.state_dict(), **hooks.rank_state()},
+            rank_state={
+                "sampler": self.sampler.state_dict(),
+                "seen": dict(self.seen),
+                **hooks.rank_state(),
+            },
             marker=hooks.marker(),
             write_models=hooks.write_models,
         )
@@ -216,6 +229,8 @@ class Trainer:
         t_last = time.perf_counter()
         bad_loss = torch.zeros((), dtype=torch.bool, device=dist.device)
         try:
+            if hooks.evaluate is not None and step == 0:
+                self._eval_row(step, hooks)
             while step < self.max_steps:
                 batch = next(batches)
                 batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
@@ -227,6 +242,7 @@ class Trainer:
                 self.sampler.advance(hooks.consumed(batch))
                 for name, n in hooks.counts(batch).items():
                     counts[name] = counts.get(name, 0) + n
+                    self.seen[name] = self.seen.get(name, 0) + n
                 window.append(torch.stack([out[k].detach().float() for k in hooks.metrics]))
                 micro += 1
                 if micro % cfg.grad_accum:
@@ -249,6 +265,11 @@ class Trainer:
                 if step % cfg.log_every == 0 or step == self.max_steps:
                     last = self._log_row(step, window, counts, time.perf_counter() - t_last, hooks)
                     window, counts, t_last = [], {}, time.perf_counter()
+                if hooks.evaluate is not None and (
+                    step == self.max_steps or (hooks.eval_every and step % hooks.eval_every == 0)
+                ):
+                    self._eval_row(step, hooks)
+                    t_last = time.perf_counter()  # the rates measure training alone
                 if hooks.after_step is not None:
                     hooks.after_step(step)
                 every = cfg.checkpoint.every_steps
@@ -291,9 +312,30 @@ class Trainer:
             for name, total in zip(counts, totals, strict=True):
                 row[f"{name}_per_s"] = float(total) * world / seconds
         row["epoch"] = self.sampler.epoch
+        row.update(self._seen_totals())
         row.update(hooks.log_fields())
         self.logger.log(row)
         return row
+
+    def _seen_totals(self) -> dict[str, float]:
+        """``{NAME_seen: total over ranks}`` of the counts so far (collective)."""
+        if not self.seen:
+            return {}
+        names = sorted(self.seen)
+        means = eng.all_reduce_mean(torch.tensor([float(self.seen[n]) for n in names]))
+        world = self.dist.world_size
+        return {f"{n}_seen": round(float(m) * world) for n, m in zip(names, means, strict=True)}
+
+    def _eval_row(self, step: int, hooks: Hooks) -> None:
+        """Rank 0 scores the current weights (``hooks.evaluate``) and logs them with the step
+        and the tokens seen; the other ranks go on to the next collective and wait there."""
+        seen = self._seen_totals()
+        if self.dist.rank != 0:
+            return
+        row = {"step": step, **seen, **hooks.evaluate()}
+        self.logger.log(row, scope="eval")
+        scores = [f"{k.split('/', 2)[-1]} {v:.4f}" for k, v in row.items() if "ndcg@10" in k]
+        self.note(f"eval at step {step}: {', '.join(scores)}")
 
 
 def steps_for(cfg: RunConfig, steps_per_epoch: int) -> int:

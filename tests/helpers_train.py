@@ -1,0 +1,95 @@
+"""Pre-training as a user runs it: ``python -m retromae_ds.train`` (one process, torchrun or
+the deepspeed launcher) on CPU, and its metrics log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {
+    **os.environ,
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def pretrain(
+    run_dir: Path,
+    shards: Path,
+    *overrides: str,
+    ranks: int = 1,
+    launcher: str = "torchrun",
+    env: dict | None = None,
+    check: bool = True,
+):
+    args = [
+        "--data.shards",
+        str(shards),
+        "--run_dir",
+        str(run_dir),
+        "--progress",
+        "false",
+        "--model.encoder.name",
+        "tiny",
+        "--model.encoder.max_position_embeddings",
+        "64",
+        "--micro_batch_size",
+        "8",
+        "--optim.lr",
+        "1e-3",
+        "--optim.warmup_steps",
+        "2",
+        *overrides,
+    ]
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "retromae_ds.train", *args]
+    elif launcher == "deepspeed":
+        cmd = [
+            "deepspeed",
+            f"--num_gpus={ranks}",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "retromae_ds.train",
+            *args,
+        ]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            "-m",
+            "retromae_ds.train",
+            *args,
+        ]
+    result = subprocess.run(
+        cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=900
+    )
+    log = run_dir.parent / f"{run_dir.name}.launcher.log"
+    log.write_text(result.stdout + "\n---- stderr ----\n" + result.stderr)
+    if check and result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if "rror" in line or "Abort" in line]
+        raise AssertionError(
+            f"training failed ({result.returncode}); full log {log}; errors:\n"
+            + "\n".join(errors[-40:])
+        )
+    return result
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
