@@ -2,8 +2,11 @@
 orderings, a PNG plot, and ``study.md`` / ``study_results.json`` in the study folder.
 
 Pure bookkeeping on result rows (``{"task", "start", "objective", "seed", "stage",
-"metrics"}``, as ``recipes.study.Study.run`` returns them); nothing here trains or imports
-torch. It also names the rows' vocabulary (objectives, stages, measures) in report order.
+"pooling", "metrics"}``, as ``recipes.study.Study.run`` returns them; a row without
+``pooling`` is CLS) and on the pre-training summaries (losses, tokens seen, the zero-shot
+curve logged during pre-training); nothing here trains or imports torch. It also names the
+rows' vocabulary (objectives, stages, measures) in report order. The lexical reference is a
+row of start ``lexical``, objective ``bm25``.
 """
 
 from __future__ import annotations
@@ -22,18 +25,42 @@ STAGES = ("zero_shot", "bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 
 
-def _key(r: dict[str, Any]) -> tuple[str, str, str, str]:
-    return (r.get("task", "scifact"), r["start"], r["objective"], r["stage"])
+CLAIMS = (
+    # (x, y, who says x > y, starts it applies to: () = all)
+    ("retromae", "seed", "paper", ()),
+    ("retromae", "mlm", "paper", ()),
+    ("seed", "mlm", "paper", ()),
+    ("seed", "seed_strong", "SEED-Encoder paper: a weak decoder beats a strong one", ()),
+    ("retromae", "none", "RetroMAE report: continued pre-training lifts an MLM base", ("bert",)),
+)
+"""The orderings the verdicts test."""
+
+
+def _key(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    return (
+        r.get("task", "scifact"),
+        r["start"],
+        r["objective"],
+        r["stage"],
+        r.get("pooling", "cls"),
+    )
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """mean ± std (sample std over seeds) per (task, start, objective, stage)."""
-    groups: dict[tuple[str, str, str, str], list[dict]] = {}
+    """mean ± std (sample std over seeds) per (task, start, objective, stage, pooling)."""
+    groups: dict[tuple[str, str, str, str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault(_key(r), []).append(r)
     out = []
-    for (task, start, objective, stage), rs in groups.items():
-        agg = {"task": task, "start": start, "objective": objective, "stage": stage, "n": len(rs)}
+    for (task, start, objective, stage, pooling), rs in groups.items():
+        agg = {
+            "task": task,
+            "start": start,
+            "objective": objective,
+            "stage": stage,
+            "pooling": pooling,
+            "n": len(rs),
+        }
         for m in MEASURES:
             xs = [r["metrics"][m] for r in rs]
             agg[m] = statistics.fmean(xs)
@@ -43,15 +70,18 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _sorted(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = {o: i for i, o in enumerate(OBJECTIVES)}
+    order = {o: i for i, o in enumerate(("bm25", *OBJECTIVES))}
     stage_order = {s: i for i, s in enumerate(STAGES)}
     tasks = list(dict.fromkeys(a["task"] for a in agg))
     return sorted(
         agg,
         key=lambda a: (
             tasks.index(a["task"]),
+            a["start"] != "lexical",  # the BM25 reference first
             a["start"],
             stage_order[a["stage"]],
+            a["pooling"] != "cls",
+            a["pooling"],
             order[a["objective"]],
         ),
     )
@@ -59,39 +89,56 @@ def _sorted(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def table(agg: list[dict[str, Any]]) -> str:
     lines = [
-        "| task | start | objective | stage | seeds | nDCG@10 | MRR@10 | Recall@100 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | start | objective | stage | pooling | seeds | nDCG@10 | MRR@10 | Recall@100 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for a in _sorted(agg):
+        if a["start"] == "lexical":
+            cells = " | ".join(f"{a[m]:.4f}" for m in MEASURES)
+            lines.append(f"| {a['task']} | — | BM25 | — | — | — | {cells} |")
+            continue
         cells = " | ".join(f"{a[m]:.4f} ± {a[m + '_std']:.4f}" for m in MEASURES)
         lines.append(
-            f"| {a['task']} | {a['start']} | {a['objective']} | {a['stage']} | {a['n']} | {cells} |"
+            f"| {a['task']} | {a['start']} | {a['objective']} | {a['stage']} | {a['pooling']} "
+            f"| {a['n']} | {cells} |"
         )
     return "\n".join(lines)
 
 
 def pretrain_table(summaries: list[dict[str, Any]]) -> str:
-    """Pre-training loss (first → last logged step) and seconds, mean over seeds."""
+    """Per (start, objective), means over seeds: steps, tokens seen, loss and decoder loss
+    (first → last logged row), the last MLM and decoder accuracy, seconds."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for s in summaries:
         groups.setdefault((s["start"], s["objective"]), []).append(s)
     lines = [
-        "| start | objective | seeds | steps | loss first → last | seconds |",
-        "|---|---|---|---|---|---|",
+        "| start | objective | seeds | steps | tokens seen | loss first → last "
+        "| decoder loss first → last | MLM acc. last | decoder acc. last | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def mean(ss: list[dict], row: str, key: str) -> float | None:
+        xs = [s[row][key] for s in ss if key in s[row]]
+        return statistics.fmean(xs) if xs else None
+
+    def fmt(x: float | None, spec: str = ".2f") -> str:
+        return "—" if x is None else format(x, spec)
+
     for (start, objective), ss in groups.items():
-        first = statistics.fmean(s["first"]["loss"] for s in ss)
-        last = statistics.fmean(s["last"]["loss"] for s in ss)
-        secs = statistics.fmean(s["seconds"] for s in ss)
+        tokens = statistics.fmean(s.get("tokens_seen", 0) for s in ss)
+        dec = (mean(ss, "first", "decoder_loss"), mean(ss, "last", "decoder_loss"))
+        decoder = f"{fmt(dec[0])} → {fmt(dec[1])}" if dec[1] is not None else "—"
         lines.append(
-            f"| {start} | {objective} | {len(ss)} | {ss[0]['steps']} | {first:.2f} → {last:.2f} "
-            f"| {secs:.0f} |"
+            f"| {start} | {objective} | {len(ss)} | {ss[0]['steps']} | {tokens / 1e6:.2f}M "
+            f"| {fmt(mean(ss, 'first', 'loss'))} → {fmt(mean(ss, 'last', 'loss'))} | {decoder} "
+            f"| {fmt(mean(ss, 'last', 'mlm_accuracy'), '.3f')} "
+            f"| {fmt(mean(ss, 'last', 'decoder_accuracy'), '.3f')} "
+            f"| {statistics.fmean(s['seconds'] for s in ss):.0f} |"
         )
     return "\n".join(lines)
 
 
-def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
-    """Grouped bars of nDCG@10 (± std) per stage and objective, one panel per task × start."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -100,10 +147,22 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return None
-    panels = list(dict.fromkeys((a["task"], a["start"]) for a in _sorted(agg)))
+    return plt
+
+
+def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
+    """Grouped bars of CLS nDCG@10 (± std) per stage and objective, one panel per task ×
+    start; BM25 as a dotted line."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    dense = [a for a in agg if a["start"] != "lexical" and a["pooling"] == "cls"]
+    panels = list(dict.fromkeys((a["task"], a["start"]) for a in _sorted(dense)))
+    if not panels:
+        return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (task, start) in zip(axes[0], panels, strict=True):
-        mine = [a for a in agg if a["task"] == task and a["start"] == start]
+        mine = [a for a in dense if a["task"] == task and a["start"] == start]
         stages = [s for s in STAGES if any(a["stage"] == s for a in mine)]
         objectives = [o for o in OBJECTIVES if any(a["objective"] == o for a in mine)]
         width = 0.8 / max(1, len(objectives))
@@ -116,11 +175,18 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
                     ys.append(a["ndcg@10"])
                     es.append(a["ndcg@10_std"])
             ax.bar(xs, ys, width, yerr=es, label=obj, capsize=3)
+        bm25 = next((a for a in agg if a["task"] == task and a["start"] == "lexical"), None)
+        if bm25:
+            ax.axhline(bm25["ndcg@10"], color="black", linestyle=":", label="BM25")
         ax.set_xticks([i + width * (len(objectives) - 1) / 2 for i in range(len(stages))])
         ax.set_xticklabels(stages)
-        ax.set_title(f"{task}, start: {start}")
+        ax.set_title(f"{task}, start: {start} (CLS)")
         ax.set_ylabel("nDCG@10 (mean ± std over seeds)")
         ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -128,10 +194,95 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def curves(pretraining: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, list]]:
+    """The zero-shot curves logged during pre-training, mean ± std over seeds:
+    ``{(start, objective, metric key): {"tokens": [...], "mean": [...], "std": [...]}}``,
+    aligned by evaluation index (every seed evaluates at the same steps). ``tokens`` counts
+    from the start's first pre-training: a continuation of the ``bert`` start's MLM base
+    (objective ``base``) begins where the base ended."""
+    offset = {s["start"]: s.get("tokens_seen", 0) for s in pretraining if s["objective"] == "base"}
+    groups: dict[tuple[str, str], list[list[dict]]] = {}
+    for s in pretraining:
+        if s.get("curve"):
+            groups.setdefault((s["start"], s["objective"]), []).append(s["curve"])
+    out: dict[tuple[str, str, str], dict[str, list]] = {}
+    for (start, objective), runs in groups.items():
+        n = min(len(c) for c in runs)
+        shift = 0 if objective == "base" else offset.get(start, 0)
+        keys = [k for k in runs[0][0] if k.startswith("eval/")]
+        for key in keys:
+            ys = [[c[i][key] for c in runs] for i in range(n)]
+            tokens = [statistics.fmean(c[i]["tokens_seen"] for c in runs) for i in range(n)]
+            out[(start, objective, key)] = {
+                "tokens": [shift + t for t in tokens],
+                "mean": [statistics.fmean(y) for y in ys],
+                "std": [statistics.stdev(y) if len(y) > 1 else 0.0 for y in ys],
+                "seeds": len(runs),
+            }
+    return out
+
+
+def _log_curves(pretraining: list[dict[str, Any]], start: str, metric: str):
+    """(objective, tokens, mean over seeds) of one logged training metric."""
+    groups: dict[str, list[list[dict]]] = {}
+    for s in pretraining:
+        if s["start"] == start and s.get("log") and metric in s["log"][0]:
+            groups.setdefault(s["objective"], []).append(s["log"])
+    for objective, logs in groups.items():
+        n = min(len(x) for x in logs)
+        tokens = [statistics.fmean(x[i].get("tokens_seen", 0) for x in logs) for i in range(n)]
+        yield objective, tokens, [statistics.fmean(x[i][metric] for x in logs) for i in range(n)]
+
+
+def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
+    """Top row: zero-shot nDCG@10 against tokens seen during pre-training, one line per
+    objective (mean ± std band over seeds), one panel per start × pooling, the MLM base's own
+    curve first. Bottom row: the decoder loss and accuracy (and MLM accuracy) of the same
+    runs against the tokens each stage saw."""
+    data = curves(pretraining)
+    if not data:
+        return None
+    plt = _pyplot()
+    if plt is None:
+        return None
+    panels = sorted({(st, k) for st, _, k in data if k.endswith("/ndcg@10")})
+    cols = max(len(panels), 3)
+    fig, axes = plt.subplots(2, cols, figsize=(5.5 * cols, 8), squeeze=False)
+    for col, (start, key) in enumerate(panels):
+        ax = axes[0][col]
+        for objective in ("base", *OBJECTIVES):
+            c = data.get((start, objective, key))
+            if not c:
+                continue
+            lo = [m - d for m, d in zip(c["mean"], c["std"], strict=True)]
+            hi = [m + d for m, d in zip(c["mean"], c["std"], strict=True)]
+            ax.plot(c["tokens"], c["mean"], marker=".", label=f"{objective} ({c['seeds']} seeds)")
+            ax.fill_between(c["tokens"], lo, hi, alpha=0.2)
+        ax.set_title(f"start {start}: {key.removeprefix('eval/')}")
+        ax.set_xlabel("tokens seen (the base's, then the continuation's)")
+        ax.set_ylabel("zero-shot nDCG@10 (sample of the tuning split)")
+        ax.legend(fontsize=8)
+    for ax in axes[0][len(panels) :]:
+        ax.axis("off")
+    start = panels[0][0]
+    for ax, metric in zip(
+        axes[1], ("decoder_loss", "decoder_accuracy", "mlm_accuracy"), strict=False
+    ):
+        for objective, tokens, ys in _log_curves(pretraining, start, metric):
+            ax.plot(tokens, ys, label=objective)
+        ax.set_title(f"start {start}: {metric.replace('_', ' ')} (mean over seeds)")
+        ax.set_xlabel("tokens seen in this stage")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    for ax in axes[1][3:]:
+        ax.axis("off")
+    return _save(plt, fig, path)
+
+
 def verdicts(agg: list[dict[str, Any]]) -> list[str]:
-    """Plain statements of where the result agrees with the papers' orderings, using a
-    difference larger than the two standard errors combined as 'clearly'."""
-    by_key = {(a["task"], a["start"], a["objective"], a["stage"]): a for a in agg}
+    """Plain statements of where the result agrees with the papers' orderings (``CLAIMS``),
+    using a difference larger than the two standard errors combined as 'clearly'."""
+    by_key = {_key(a): a for a in agg}
 
     def compare(a, b) -> str:
         if min(a["n"], b["n"]) < 2:
@@ -142,22 +293,30 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
             return "no clear difference"
         return "higher" if diff > 0 else "lower"
 
+    def ratio(a, b) -> str:
+        return f" ({a['ndcg@10'] / b['ndcg@10']:.1f}×)" if b["ndcg@10"] > 0 else ""
+
     out = []
-    for task, start in dict.fromkeys((a["task"], a["start"]) for a in _sorted(agg)):
+    dense = [a for a in _sorted(agg) if a["start"] != "lexical"]
+    for task, start, pooling in dict.fromkeys((a["task"], a["start"], a["pooling"]) for a in dense):
+        where = f"{task}, {start}" + ("" if pooling == "cls" else f", {pooling} pooling")
         for stage in STAGES:
-            for x, y in (("retromae", "seed"), ("retromae", "mlm"), ("seed", "mlm")):
-                a, b = by_key.get((task, start, x, stage)), by_key.get((task, start, y, stage))
-                if a and b:
+            for x, y, who, starts in CLAIMS:
+                if starts and start not in starts:
+                    continue
+                a = by_key.get((task, start, x, stage, pooling))
+                b = by_key.get((task, start, y, stage, pooling))
+                if a and b and not (y == "none" and stage != "zero_shot"):
                     out.append(
-                        f"{task}, {start}, {stage}: {x} {a['ndcg@10']:.4f} vs {y} "
-                        f"{b['ndcg@10']:.4f} nDCG@10: {compare(a, b)} (paper: {x} > {y})"
+                        f"{where}, {stage}: {x} {a['ndcg@10']:.4f} vs {y} {b['ndcg@10']:.4f} "
+                        f"nDCG@10{ratio(a, b)}: {compare(a, b)} ({who}: {x} > {y})"
                     )
         for objective in OBJECTIVES:
-            a = by_key.get((task, start, objective, "ance"))
-            b = by_key.get((task, start, objective, "bm25"))
+            a = by_key.get((task, start, objective, "ance", pooling))
+            b = by_key.get((task, start, objective, "bm25", pooling))
             if a and b:
                 out.append(
-                    f"{task}, {start}, {objective}: ANCE {a['ndcg@10']:.4f} vs BM25 negatives "
+                    f"{where}, {objective}: ANCE {a['ndcg@10']:.4f} vs BM25 negatives "
                     f"{b['ndcg@10']:.4f}: {compare(a, b)} (paper: ANCE > BM25 negatives)"
                 )
     return out
@@ -175,6 +334,7 @@ def report(
     Markdown."""
     agg = aggregate(rows)
     png = plot(agg, out / "study.png")
+    curve_png = curve_plot(pretraining or [], out / "study_curve.png")
     text = [f"# {title}", "", f"Command: `{command}`", "", table(agg), ""]
     if any(a["task"] == "scifact" for a in agg):
         text += [
@@ -187,6 +347,8 @@ def report(
         text += ["", "## Pre-training", "", pretrain_table(pretraining)]
     if png:
         text += ["", f"![nDCG@10 per stage and objective]({png.name})"]
+    if curve_png:
+        text += ["", f"![zero-shot nDCG@10 against tokens seen in pre-training]({curve_png.name})"]
     body = "\n".join(text) + "\n"
     results = {"rows": rows, "aggregate": agg, "pretraining": pretraining or []}
     atomic_write_text(out / "study_results.json", json.dumps(results, indent=2))

@@ -47,11 +47,20 @@ from pathlib import Path
 from typing import Any
 
 from recipes.report import MEASURES, report
-from recipes.study_config import DATA_ENV, DATA_NEEDED, StudyConfig, gpu_config, quick_config
+from recipes.study_config import (
+    DATA_ENV,
+    DATA_NEEDED,
+    StudyConfig,
+    bert_config,
+    gpu_config,
+    quick_config,
+)
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.checkpoint import resolve_encoder
 from retromae_ds.config import to_dict
+from retromae_ds.data.collate import MaskingConfig
 from retromae_ds.engine import DeepSpeedSettings
+from retromae_ds.eval.periodic import EvalConfig
 from retromae_ds.finetune import (
     DualModelConfig,
     FinetuneConfig,
@@ -138,13 +147,22 @@ class Study:
         return self.out / "cells" / start / objective / f"seed{seed}"
 
     def shards_dir(self, start: str) -> Path:
-        return self.out / f"shards_{start}"
+        """Shards per tokenizer: MiniLM's own, or the WordPiece trained on the texts (shared
+        by ``scratch`` and ``bert``)."""
+        return self.out / ("shards_minilm" if start == "minilm" else "shards_scratch")
+
+    def base_cell(self) -> Path:
+        """The ``bert`` start's MLM base: trained once, continued by every arm."""
+        return self.out / "cells" / "bert" / "base" / f"seed{self.cfg.base_seed}"
 
     def encoder_dir(self, start: str, objective: str, seed: int) -> Path:
         """The Hugging Face folder of (start, objective, seed)'s pre-trained encoder: MiniLM
-        itself for its ``none`` cell, else the cell's ``encoder/``."""
+        itself for its ``none`` cell, the MLM base for ``bert``'s, else the cell's
+        ``encoder/``."""
         if start == "minilm" and objective == "none":
             return _minilm_dir()
+        if start == "bert" and objective == "none":
+            return self.base_cell() / "encoder"
         return self.cell(start, objective, seed) / "encoder"
 
     # -- stage configs (building one runs nothing) --------------------------------------
@@ -153,8 +171,51 @@ class Study:
         cell's initialisation), or all-MiniLM-L6-v2."""
         if start == "minilm":
             return EncoderConfig(name=str(_minilm_dir()))
+        if start == "bert":  # the base's run: its checkpoint keeps the MLM head (an export not)
+            return EncoderConfig(name=str(self.base_cell() / "pretrain"))
         positions = max(512, self.cfg.max_length)
         return EncoderConfig(name=self.cfg.scratch_encoder, max_position_embeddings=positions)
+
+    def curve(self, start: str) -> EvalConfig:
+        """The zero-shot curve's evaluation during pre-training (off for a start without
+        ``curve_every``): a fixed sample of the fine-tuning split, never the test split."""
+        every = self.cfg.curve_every.get(start, 0)
+        if not every:
+            return EvalConfig()
+        return EvalConfig(
+            beir=str(self.beir),
+            split=self.cfg.finetune_split,
+            every=every,
+            max_queries=self.cfg.curve_queries,
+            max_docs=self.cfg.curve_docs,
+            poolings=list(self.cfg.poolings),
+            max_length=self.cfg.eval_max_length,
+            bf16=bool(self.cfg.eval_bf16),
+        )
+
+    def base_config(self) -> TrainConfig:
+        """The ``bert`` start's MLM base: ``base_encoder`` from scratch, BERT's 15 % masking,
+        ``base_steps`` × ``base_batch``, seed ``base_seed``."""
+        cfg = self.cfg
+        positions = max(512, cfg.max_length)
+        return TrainConfig(
+            run_dir=str(self.base_cell() / "pretrain"),
+            seed=cfg.base_seed,
+            max_steps=cfg.base_steps,
+            micro_batch_size=cfg.base_batch,
+            log_every=max(1, cfg.base_steps // 20),
+            progress=False,
+            data=DataConfig(shards=str(self.shards_dir("bert"))),
+            model=ModelConfig(
+                encoder=EncoderConfig(name=cfg.base_encoder, max_position_embeddings=positions),
+                objective=ObjectiveConfig(name="mlm"),
+            ),
+            masking=MaskingConfig(encoder_ratio=cfg.base_mask_ratio),
+            optim=OptimConfig(lr=cfg.base_lr, warmup_ratio=0.1),
+            checkpoint=CheckpointConfig(every_steps=cfg.base_steps, keep_last=1),
+            deepspeed=_deepspeed(cfg.precision.get("bert", "fp32")),
+            eval=self.curve("bert"),
+        )
 
     def pretrain_config(self, start: str, objective: str, seed: int) -> TrainConfig:
         """Pre-training of one cell (any objective but ``none``)."""
@@ -182,6 +243,7 @@ class Study:
             ),
             checkpoint=CheckpointConfig(every_steps=steps, keep_last=1),
             deepspeed=_deepspeed(cfg.precision[start]),
+            eval=self.curve(start),
         )
 
     def finetune_config(self, start: str, objective: str, seed: int, stage: str) -> FinetuneConfig:
@@ -238,9 +300,9 @@ class Study:
         if (folder / "manifest.json").exists():
             return folder
         kw: dict[str, Any] = (
-            {"train_tokenizer": self.cfg.vocab_size}
-            if start == "scratch"
-            else {"tokenizer": str(_minilm_dir())}
+            {"tokenizer": str(_minilm_dir())}
+            if start == "minilm"
+            else {"train_tokenizer": self.cfg.vocab_size}
         )
         run_preprocess(
             PreprocessConfig(
@@ -262,23 +324,44 @@ class Study:
         if start == "minilm" and objective == "none":
             raise FileNotFoundError(f"all-MiniLM-L6-v2 without its config.json: {encoder}")
         shards = self.shards(start)
+        if start == "bert" and objective == "none":
+            return self.base()
         if objective == "none":
             return self._initial(start, seed, shards, encoder)
-        cell = self.cell(start, objective, seed)
+        if start == "bert":
+            self.base()  # every arm continues the same base: trained once, then reused
         config = self.pretrain_config(start, objective, seed)
+        return self._pretrain(config, self.cell(start, objective, seed), encoder)
+
+    def base(self) -> Path:
+        """The ``bert`` start's MLM base encoder, trained on first use and reused after."""
+        encoder = self.base_cell() / "encoder"
+        if (encoder / "config.json").exists():
+            return encoder
+        self.shards("bert")
+        return self._pretrain(self.base_config(), self.base_cell(), encoder)
+
+    def _pretrain(self, config: TrainConfig, cell: Path, encoder: Path) -> Path:
+        """Run one pre-training stage, export its encoder to ``encoder`` and summarise it in
+        ``cell/pretrain.json`` (seconds, first/last log rows, tokens seen, the curve)."""
         t = time.perf_counter()
         self._run_stage("retromae_ds.train", config, cell / "pretrain")
         from retromae_ds.export import export_encoder
 
         export_encoder(config.run_dir, encoder)
         lines = RunLayout(config.run_dir).metrics.read_text().splitlines()
-        metrics = [json.loads(x) for x in lines]
+        rows = [json.loads(x) for x in lines]
+        train = [r for r in rows if "loss" in r]
+        curve = [r for r in rows if any(k.startswith("eval/") for k in r)]
         _write_json(
             {
                 "seconds": time.perf_counter() - t,
-                "first": metrics[0],
-                "last": metrics[-1],
+                "first": train[0],
+                "last": train[-1],
                 "steps": config.max_steps,
+                "tokens_seen": train[-1].get("tokens_seen", 0),
+                "log": train,
+                "curve": [{"tokens_seen": r.get("tokens_seen", 0), **r} for r in curve],
             },
             cell / "pretrain.json",
         )
@@ -330,51 +413,98 @@ class Study:
 
     def result(
         self, start: str, objective: str, seed: int, stage: str, task: str | None = None
-    ) -> dict[str, Any]:
+    ) -> list[dict[str, Any]]:
+        """The rows of one encoder on one task: one per pooling (``cfg.poolings``), from one
+        encoding pass; cached in the cell."""
         tasks = self.cfg.tasks
         task = task or next(iter(tasks))
         first = task == next(iter(tasks))
         path = self.cell(start, objective, seed) / (
             f"{stage}.json" if first else f"{stage}@{task}.json"
         )
-        if path.exists():
-            return json.loads(path.read_text())
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        if "rows" in saved:  # (a file without rows predates the poolings: it is redone)
+            return saved["rows"]
         t = time.perf_counter()
         if stage == "zero_shot":
             encoder = self.pretrained(start, objective, seed)
         else:
             encoder = self.finetuned(start, objective, seed, stage)
+        scores = self._evaluate(encoder, tasks[task])
+        seconds = time.perf_counter() - t
+        rows = [
+            {
+                "task": task,
+                "start": start,
+                "objective": objective,
+                "seed": seed,
+                "stage": stage,
+                "pooling": pooling,
+                "metrics": metrics,
+                "seconds": seconds,
+            }
+            for pooling, metrics in scores.items()
+        ]
+        _write_json({"rows": rows}, path)
+        return rows
+
+    def _evaluate(self, encoder: Path, beir: str) -> dict[str, dict[str, float]]:
+        """``{pooling: {measure: value}}`` of one encoder on ``eval_split`` of ``beir``: exact
+        inner-product search, every pooling from one encoding of corpus and queries."""
         import torch
 
-        from retromae_ds.eval.run import evaluate_beir
+        from retromae_ds.eval.beir import load_beir
+        from retromae_ds.eval.encode import HFEncoder
+        from retromae_ds.eval.run import evaluate_embeddings
 
-        res = evaluate_beir(
+        data = load_beir(beir, self.cfg.eval_split)
+        model = HFEncoder.from_dir(
             encoder,
-            tasks[task],
-            self.cfg.eval_split,
-            pooling="cls",
             max_length=self.cfg.eval_max_length,
-            amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
             device="cpu" if self.cfg.device == "cpu" else "auto",
-            measures=MEASURES,
+            amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
             progress=False,
-            verbose=False,
         )
+        poolings = self.cfg.poolings
+        corpus = model.encode_pools(data.corpus_texts, poolings)
+        queries = model.encode_pools(data.query_texts, poolings)
+        out = {}
+        for pooling in poolings:
+            mean, _ = evaluate_embeddings(data, queries[pooling], corpus[pooling], MEASURES)
+            out[pooling] = {m: mean[m] for m in MEASURES}
+        return out
+
+    def bm25(self, task: str) -> dict[str, Any]:
+        """BM25 on ``eval_split`` of a task: the lexical reference row of the report."""
+        from retromae_ds.eval.lexical import evaluate_bm25
+
+        path = self.out / f"bm25@{task}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+        res = evaluate_bm25(self.cfg.tasks[task], self.cfg.eval_split, MEASURES)
         row = {
             "task": task,
-            "start": start,
-            "objective": objective,
-            "seed": seed,
-            "stage": stage,
+            "start": "lexical",
+            "objective": "bm25",
+            "seed": 0,
+            "stage": "zero_shot",
+            "pooling": "-",
             "metrics": {m: res["metrics"][m] for m in MEASURES},
-            "seconds": time.perf_counter() - t,
+            "seconds": res["seconds"],
         }
         _write_json(row, path)
         return row
 
     def pretraining(self) -> list[dict[str, Any]]:
-        """The pre-training summaries (loss first/last, seconds) of every finished cell."""
+        """The pre-training summaries (losses, tokens seen, seconds, curve) of every finished
+        cell, the ``bert`` start's MLM base first (objective ``base``)."""
         out = []
+        base = self.base_cell() / "pretrain.json"
+        if "bert" in self.cfg.starts and base.exists():
+            summary = json.loads(base.read_text())
+            out.append(
+                {"start": "bert", "objective": "base", "seed": self.cfg.base_seed, **summary}
+            )
         for start, objective, seed in self.cells():
             path = self.cell(start, objective, seed) / "pretrain.json"
             if path.exists():
@@ -383,18 +513,22 @@ class Study:
         return out
 
     def run(self) -> list[dict[str, Any]]:
-        rows = []
+        rows = [self.bm25(task) for task in self.cfg.tasks]
+        for row in rows:
+            print(f"BM25 {row['task']}: nDCG@10 {row['metrics']['ndcg@10']:.4f}", flush=True)
         cells = self.cells()
         t0 = time.perf_counter()
         for n, (start, objective, seed) in enumerate(cells, 1):
             for stage in self.stages(start, objective):
                 for task in self.cfg.tasks:
-                    row = self.result(start, objective, seed, stage, task)
-                    rows.append(row)
+                    result = self.result(start, objective, seed, stage, task)
+                    rows += result
+                    scores = ", ".join(
+                        f"{r['pooling']} {r['metrics']['ndcg@10']:.4f}" for r in result
+                    )
                     print(
                         f"[{n}/{len(cells)} {time.perf_counter() - t0:6.0f}s] {start:7} "
-                        f"{objective:11} seed {seed} {stage:9} {task}: "
-                        f"nDCG@10 {row['metrics']['ndcg@10']:.4f}",
+                        f"{objective:11} seed {seed} {stage:9} {task}: nDCG@10 {scores}",
                         flush=True,
                     )
         _write_json(
@@ -416,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the 15-minute protocol")
+    mode.add_argument(
+        "--bert",
+        action="store_true",
+        help="the MLM-base protocol: one MLM base, continued by every objective",
+    )
     mode.add_argument("--gpu", action="store_true", help="the protocol scaled up for one GPU")
     p.add_argument(
         "--pretrain-inputs",
@@ -454,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides[name] = getattr(args, name)
     if args.quick:
         cfg = quick_config(args.out, data, **overrides)
+    elif args.bert:
+        cfg = bert_config(args.out, data, **overrides)
     elif args.gpu:
         cfg = gpu_config(args.out, data, **overrides)
     else:

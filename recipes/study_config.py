@@ -14,6 +14,7 @@ from typing import Any
 
 from recipes.report import OBJECTIVES, STAGES
 
+STARTS = ("scratch", "minilm", "bert")
 DATA_ENV = "RETROMAE_DS_DATA"
 """Environment variable naming the default data folder of ``scripts/study.py``."""
 DATA_NEEDED = (
@@ -39,6 +40,9 @@ class StudyConfig:
     extra_beir: list[str] = field(default_factory=list)
     """More BEIR folders every encoder is also evaluated on (``eval_split``), e.g. ``--beir``."""
     starts: list[str] = field(default_factory=lambda: ["scratch", "minilm"])
+    """Starting points: ``scratch`` (random init), ``minilm`` (all-MiniLM-L6-v2, already a
+    contrastively trained embedder), ``bert`` (an MLM base pre-trained here first, once, then
+    continued by every objective: the RetroMAE report's setting, chinese-bert -> RetroMAE)."""
     objectives: list[str] = field(default_factory=lambda: list(OBJECTIVES))
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     finetune_objectives: dict[str, list[str]] = field(
@@ -54,21 +58,33 @@ class StudyConfig:
     """Pre-training sample length (tokens, with specials)."""
     eval_max_length: int = 128
     """Passage length for fine-tuning, mining and evaluation (SciFact abstracts are cut)."""
-    pretrain_steps: dict[str, int] = field(default_factory=lambda: {"scratch": 120, "minilm": 60})
+    pretrain_steps: dict[str, int] = field(
+        default_factory=lambda: {"scratch": 120, "minilm": 60, "bert": 600}
+    )
     encoder_frozen_steps: dict[str, int] = field(default_factory=lambda: {"minilm": 30})
     """Heads-only warm-up per start: all-MiniLM-L6-v2 ships without an MLM head (and no start
     has a decoder), so the fresh heads first learn against the frozen encoder."""
-    pretrain_batch: dict[str, int] = field(default_factory=lambda: {"scratch": 32, "minilm": 16})
-    pretrain_lr: dict[str, float] = field(default_factory=lambda: {"scratch": 5e-4, "minilm": 5e-5})
-    precision: dict[str, str] = field(default_factory=lambda: {"scratch": "fp32", "minilm": "bf16"})
+    pretrain_batch: dict[str, int] = field(
+        default_factory=lambda: {"scratch": 32, "minilm": 16, "bert": 32}
+    )
+    pretrain_lr: dict[str, float] = field(
+        default_factory=lambda: {"scratch": 5e-4, "minilm": 5e-5, "bert": 5e-4}
+    )
+    precision: dict[str, str] = field(
+        default_factory=lambda: {"scratch": "fp32", "minilm": "bf16", "bert": "fp32"}
+    )
     """Training precision per start (DeepSpeed bf16 keeps fp32 master weights)."""
     eval_bf16: bool | None = None
     """Encode for evaluation and mining under bf16 autocast (2.3–2.9× faster on this AVX-512
     CPU, benchmarks/bench_eval_bf16.py; MiniLM on SciFact: nDCG@10 0.5083 vs 0.5074 in
     fp32). None: where CUDA or oneDNN's CPU bf16 path is available."""
-    finetune_steps: dict[str, int] = field(default_factory=lambda: {"scratch": 50, "minilm": 50})
+    finetune_steps: dict[str, int] = field(
+        default_factory=lambda: {"scratch": 50, "minilm": 50, "bert": 50}
+    )
     finetune_batch: int = 16
-    finetune_lr: dict[str, float] = field(default_factory=lambda: {"scratch": 1e-4, "minilm": 2e-5})
+    finetune_lr: dict[str, float] = field(
+        default_factory=lambda: {"scratch": 1e-4, "minilm": 2e-5, "bert": 1e-4}
+    )
     n_hard: int = 1
     ance_checkpoint_every: int = 15
     """ANCE stage: the trainer checkpoints this often; the refresher mines from each one."""
@@ -78,6 +94,25 @@ class StudyConfig:
     """WordPiece vocabulary trained for the ``scratch`` start."""
     scratch_encoder: str = "tiny"
     """Encoder preset for the ``scratch`` start (``tiny``, ``small``, ``base``)."""
+    base_encoder: str = "tiny"
+    """Encoder preset of the ``bert`` start's MLM base (same tokenizer as ``scratch``)."""
+    base_steps: int = 2000
+    """Steps of the MLM base (trained once, ``base_seed``; every arm continues it)."""
+    base_batch: int = 32
+    base_lr: float = 1e-3
+    base_mask_ratio: float = 0.15
+    """Masked share of words in the MLM base (BERT's 15 %)."""
+    base_seed: int = 0
+    curve_every: dict[str, int] = field(default_factory=dict)
+    """Per start: evaluate zero-shot every N pre-training steps (the curve of nDCG@10 against
+    tokens seen); a start not listed gets no curve."""
+    curve_queries: int = 200
+    curve_docs: int = 2000
+    """Sample of the curve: judged queries of ``finetune_split`` (never ``eval_split``: the
+    curve is watched while choosing settings) and documents searched."""
+    poolings: list[str] = field(default_factory=lambda: ["cls", "mean"])
+    """Sentence embeddings every encoder is evaluated with (one encoding pass); the verdicts
+    use the first."""
     device: str = "cpu"
     """cpu (DeepSpeed's CPU accelerator, gloo) or auto (CUDA when present: the ``--gpu`` mode)."""
 
@@ -97,7 +132,8 @@ class StudyConfig:
             self.eval_bf16 = _bf16_available(self.device)
         bad = [o for o in self.objectives if o not in OBJECTIVES]
         bad += [s for s in self.stages if s not in STAGES]
-        bad += [s for s in self.starts if s not in ("scratch", "minilm")]
+        bad += [s for s in self.starts if s not in STARTS]
+        bad += [p for p in self.poolings if p not in ("cls", "mean")]
         bad += [
             o for objs in self.finetune_objectives.values() for o in objs if o not in OBJECTIVES
         ]
@@ -138,6 +174,29 @@ def quick_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
         pretrain_steps={"scratch": 120},
         pretrain_batch={"scratch": 16},
         finetune_steps={"scratch": 40},
+    )
+    return StudyConfig(out=out, data=data, **{**settings, **overrides})
+
+
+DEMO = {"base_steps": 600, "steps": 200, "finetune_steps": 40, "vocab_size": 4000, "lr": 1e-3}
+"""The main job's budget (``recipes.demo``; 10 minutes on 2 CPU cores, docs/results.md)."""
+
+
+def bert_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
+    """The RetroMAE report's protocol in miniature (``--bert``): an MLM base pre-trained here
+    once, continued by every objective with the same steps, batch, data and learning rate;
+    three seeds of the continuations; zero-shot (CLS and mean pooling) with the curve logged
+    during pre-training, then BM25-negative fine-tuning. ``overrides`` are further
+    StudyConfig fields."""
+    settings: dict[str, Any] = dict(
+        starts=["bert"],
+        objectives=list(OBJECTIVES),
+        stages=["zero_shot", "bm25"],
+        finetune_objectives={"bert": ["none", "mlm", "retromae", "seed"]},
+        seeds=[0, 1, 2],
+        pretrain_steps={"bert": 500},
+        pretrain_lr={"bert": 1e-3},
+        curve_every={"bert": 100},
     )
     return StudyConfig(out=out, data=data, **{**settings, **overrides})
 

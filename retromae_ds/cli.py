@@ -158,6 +158,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         args.out,
         workers=args.workers,
         max_docs=args.max_docs,
+        base_steps=args.base_steps,
         steps=args.steps,
         finetune_steps=args.finetune_steps,
         seeds=args.seeds,
@@ -215,14 +216,32 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("finetune", help="ANCE fine-tuning on DeepSpeed (--config FILE, --a.b VALUE)")
     sub.add_parser("refresh", help="hard-negative refresher of a fine-tuning run (--run_dir RUN)")
 
-    p = sub.add_parser("demo", help="the main job: the study's quick protocol, built-in corpus")
+    from recipes.study_config import DEMO  # no torch import
+
+    p = sub.add_parser("demo", help="the main job: the study's MLM-base protocol, built-in corpus")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--workers", type=int, default=2, help="tokenization processes")
     p.add_argument(
         "--max-docs", type=int, default=None, help="use only the first N built-in documents"
     )
-    p.add_argument("--steps", type=int, default=120, help="pre-training steps (default 120)")
-    p.add_argument("--finetune-steps", type=int, default=40, help="fine-tuning steps (default 40)")
+    p.add_argument(
+        "--base-steps",
+        type=int,
+        default=DEMO["base_steps"],
+        help=f"steps of the MLM base (default {DEMO['base_steps']})",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEMO["steps"],
+        help=f"continued pre-training steps per objective (default {DEMO['steps']})",
+    )
+    p.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=DEMO["finetune_steps"],
+        help=f"fine-tuning steps (default {DEMO['finetune_steps']})",
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2")
     p.add_argument(
         "--beir",

