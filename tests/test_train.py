@@ -619,3 +619,37 @@ def test_one_writer_per_run_folder(tmp_path, synthetic_shards):
     (run / ".lock").write_text(json.dumps({"pid": 999999, "host": "gone", "since": 0}))
     again = pretrain(run, synthetic_shards, "--max_steps", "7", "--log_every", "1")
     assert "taking over from pid 999999 on gone" in again.stderr
+
+
+def test_continued_pretraining_from_a_run_keeps_the_mlm_head(tmp_path, synthetic_shards):
+    """``--model.encoder.name RUN_DIR`` starts from the run's newest checkpoint with its MLM
+    head (nothing newly initialised); an exported encoder is the body only, and says so."""
+    from safetensors.torch import load_file
+
+    from retromae_ds.export import export_encoder
+
+    base = tmp_path / "base"
+    pretrain(base, synthetic_shards, "--max_steps", "2", "--model.objective.name", "mlm")
+    head = {
+        k: v
+        for k, v in load_file(
+            str(base / "checkpoints" / "step_00000002" / "encoder" / "model.safetensors")
+        ).items()
+        if k.startswith("cls.")
+    }
+    assert head  # the checkpoint's encoder is the whole masked-LM model
+    more = tmp_path / "more"
+    result = pretrain(
+        more, synthetic_shards, "--max_steps", "1", "--model.encoder.name", str(base),
+        "--optim.lr", "0",
+    )  # fmt: skip
+    assert "newly initialised" not in result.stderr
+    after = load_file(str(more / "checkpoints" / "step_00000001" / "encoder" / "model.safetensors"))
+    for name, value in head.items():  # lr 0: the head came through unchanged
+        assert torch.equal(after[name], value), name
+    exported = export_encoder(base, tmp_path / "exported")
+    from_export = pretrain(
+        tmp_path / "from_export", synthetic_shards, "--max_steps", "1",
+        "--model.encoder.name", str(exported),
+    )  # fmt: skip
+    assert "newly initialised" in from_export.stderr
