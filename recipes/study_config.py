@@ -204,20 +204,27 @@ def bert_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
 def gpu_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     """The same protocol scaled up for one GPU: a BERT-small-sized encoder from scratch trained
     50× longer, ten times the MiniLM continued pre-training, full-length passages, every
-    objective fine-tuned, bf16 everywhere. ``overrides`` are further StudyConfig fields."""
+    objective fine-tuned, bf16 everywhere; with ``starts=["bert"]`` (``--gpu --starts bert``) a
+    BERT-small MLM base of 20,000 × 128 samples continued 5,000 steps per objective. ``overrides`` are further StudyConfig fields."""
     settings: dict[str, Any] = dict(
         device="auto",
         scratch_encoder="small",
         vocab_size=30000,
         max_length=256,
         eval_max_length=256,
-        pretrain_steps={"scratch": 8000, "minilm": 2000},
+        pretrain_steps={"scratch": 8000, "minilm": 2000, "bert": 5000},
         encoder_frozen_steps={"minilm": 200},
         finetune_objectives={},
-        pretrain_batch={"scratch": 128, "minilm": 64},
-        pretrain_lr={"scratch": 3e-4, "minilm": 5e-5},
-        precision={"scratch": "bf16", "minilm": "bf16"},
-        finetune_steps={"scratch": 500, "minilm": 500},
+        pretrain_batch={"scratch": 128, "minilm": 64, "bert": 128},
+        pretrain_lr={"scratch": 3e-4, "minilm": 5e-5, "bert": 3e-4},
+        precision={"scratch": "bf16", "minilm": "bf16", "bert": "bf16"},
+        finetune_steps={"scratch": 500, "minilm": 500, "bert": 500},
+        finetune_lr={"scratch": 1e-4, "minilm": 2e-5, "bert": 1e-4},
+        base_encoder="small",
+        base_steps=20000,
+        base_batch=128,
+        base_lr=5e-4,
+        curve_every={"bert": 500},
         finetune_batch=64,
         n_hard=4,
         ance_checkpoint_every=100,
