@@ -61,6 +61,7 @@ def run_demo(
     steps: int = DEMO["steps"],
     finetune_steps: int = DEMO["finetune_steps"],
     seeds: list[int] | None = None,
+    objectives: tuple[str, ...] = ("none", "mlm", "retromae"),
     beir: list[str] | None = None,
     command: str = "retromae-ds demo",
 ) -> dict:
@@ -85,8 +86,8 @@ def run_demo(
         finetune_beir=str(task),
         extra_beir=list(beir or []),
         workers=workers,
-        objectives=["none", "mlm", "retromae", "seed"],
-        finetune_objectives={"bert": ["none", "mlm", "retromae", "seed"]},
+        objectives=list(objectives),
+        finetune_objectives={"bert": list(objectives)},
         vocab_size=DEMO["vocab_size"],
         base_steps=base_steps,
         base_lr=DEMO["lr"],

@@ -162,6 +162,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         finetune_steps=args.finetune_steps,
         seeds=args.seeds,
+        objectives=tuple(args.objectives),
         beir=args.beir,
         command=" ".join(["retromae-ds", *sys.argv[1:]]),
     )
@@ -243,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"fine-tuning steps (default {DEMO['finetune_steps']})",
     )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2")
+    p.add_argument(
+        "--objectives",
+        nargs="+",
+        default=["none", "mlm", "retromae"],
+        help="none (the MLM base itself) and the continuations: mlm, retromae, seed, "
+        "seed_strong (default: none mlm retromae)",
+    )
     p.add_argument(
         "--beir",
         action="append",

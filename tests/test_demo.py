@@ -32,7 +32,7 @@ def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "retromae_ds.cli", "demo", "--out", str(out), "--max-docs"]
     cmd += ["1500", "--base-steps", "10", "--steps", "6", "--finetune-steps", "4"]
-    cmd += ["--seeds", "0", "1"]
+    cmd += ["--seeds", "0", "1", "--objectives", "none", "mlm", "retromae", "seed"]
     result = subprocess.run(
         cmd + ["--beir", str(extra)], capture_output=True, text=True, cwd=REPO, timeout=1200
     )

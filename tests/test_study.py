@@ -257,10 +257,20 @@ def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
         ance_checkpoint_every=2,
     )
     rows = Study(cfg).run()
-    got = {(r["task"], r["objective"], r["stage"]) for r in rows}
+    got = {
+        (r["task"], r["objective"], r["stage"], r["pooling"])
+        for r in rows
+        if r["start"] == "minilm"
+    }
     assert got == {
-        (t, o, s) for t in ("syn", "syn_") for o in ("none", "retromae") for s in STAGES
+        (t, o, s, p)
+        for t in ("syn", "syn_")
+        for o in ("none", "retromae")
+        for s in STAGES
+        for p in ("cls", "mean")
     }, got
+    lexical = {(r["task"], r["objective"]) for r in rows if r["start"] == "lexical"}
+    assert lexical == {("syn", "bm25"), ("syn_", "bm25")}
     cell = tmp_path / "study" / "cells" / "minilm" / "retromae" / "seed0"
     pre = json.loads((cell / "pretrain.json").read_text())
     assert pre["steps"] == 3 and pre["last"]["step"] == 3
