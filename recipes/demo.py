@@ -56,7 +56,7 @@ def run_demo(
     out: str | Path,
     *,
     workers: int = 2,
-    max_docs: int | None = None,
+    max_docs: int | None = DEMO["max_docs"],
     base_steps: int = DEMO["base_steps"],
     steps: int = DEMO["steps"],
     finetune_steps: int = DEMO["finetune_steps"],
@@ -93,7 +93,7 @@ def run_demo(
         base_lr=DEMO["lr"],
         pretrain_steps={"bert": steps},
         pretrain_lr={"bert": DEMO["lr"]},
-        curve_every={"bert": max(1, steps // 3)},
+        curve_every={"bert": max(1, steps // 2)},
         finetune_steps={"bert": finetune_steps},
         **({"seeds": list(seeds)} if seeds is not None else {}),
     )

@@ -178,7 +178,14 @@ def quick_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     return StudyConfig(out=out, data=data, **{**settings, **overrides})
 
 
-DEMO = {"base_steps": 300, "steps": 120, "finetune_steps": 30, "vocab_size": 4000, "lr": 1e-3}
+DEMO = {
+    "max_docs": 4000,
+    "base_steps": 300,
+    "steps": 120,
+    "finetune_steps": 30,
+    "vocab_size": 4000,
+    "lr": 1e-3,
+}
 """The main job's budget (``recipes.demo``; 10 minutes on 2 CPU cores, docs/results.md)."""
 
 

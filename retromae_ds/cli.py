@@ -157,7 +157,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     run_demo(
         args.out,
         workers=args.workers,
-        max_docs=args.max_docs,
+        max_docs=args.max_docs or None,
         base_steps=args.base_steps,
         steps=args.steps,
         finetune_steps=args.finetune_steps,
@@ -223,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--workers", type=int, default=2, help="tokenization processes")
     p.add_argument(
-        "--max-docs", type=int, default=None, help="use only the first N built-in documents"
+        "--max-docs",
+        type=int,
+        default=DEMO["max_docs"],
+        help=f"use the first N built-in documents (default {DEMO['max_docs']}; 0: all)",
     )
     p.add_argument(
         "--base-steps",
