@@ -512,6 +512,23 @@ class Study:
                 out.append({"start": start, "objective": objective, "seed": seed, **summary})
         return out
 
+    def finished(self) -> list[dict[str, Any]]:
+        """The rows of every finished cell and stage, training and evaluating nothing (a
+        report of an interrupted or partly run study)."""
+        rows = []
+        for task in self.cfg.tasks:
+            path = self.out / f"bm25@{task}.json"
+            rows += [json.loads(path.read_text())] if path.exists() else []
+        first = next(iter(self.cfg.tasks))
+        for start, objective, seed in self.cells():
+            for stage in self.stages(start, objective):
+                for task in self.cfg.tasks:
+                    name = f"{stage}.json" if task == first else f"{stage}@{task}.json"
+                    path = self.cell(start, objective, seed) / name
+                    saved = json.loads(path.read_text()) if path.exists() else {}
+                    rows += saved.get("rows", [])
+        return rows
+
     def run(self) -> list[dict[str, Any]]:
         rows = [self.bm25(task) for task in self.cfg.tasks]
         for row in rows:
@@ -580,6 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--objectives", nargs="+", default=None)
     p.add_argument("--stages", nargs="+", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None)
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write the report of the cells finished so far; train and evaluate nothing",
+    )
     args = p.parse_args(argv)
     data = args.data or os.environ.get(DATA_ENV, "")
     if not data and not (args.pretrain_inputs and args.finetune_beir):
@@ -601,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = StudyConfig(out=args.out, data=data, **overrides)
     study = Study(cfg)
     t0 = time.perf_counter()
-    rows = study.run()
+    rows = study.finished() if args.report_only else study.run()
     command = "python scripts/study.py " + " ".join(argv if argv is not None else sys.argv[1:])
     notes = [f"Wall time of this invocation: {time.perf_counter() - t0:.0f} s."]
     print(report(rows, Path(cfg.out), "Study results", command.strip(), study.pretraining(), notes))

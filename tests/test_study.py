@@ -10,7 +10,7 @@ import json
 import pytest
 
 from recipes.report import STAGES, aggregate, report, table, verdicts
-from recipes.study_config import StudyConfig, gpu_config, quick_config
+from recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
 
 
 def _row(objective, stage, seed, ndcg, start="scratch"):
@@ -281,3 +281,29 @@ def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
     first = [json.loads(x) for x in (cell / "ft_ance" / "metrics.jsonl").read_text().splitlines()]
     assert first[0]["negatives_version"] >= 1
     assert Study(cfg).run() == rows
+
+
+def test_report_only_collects_finished_cells_without_running_anything(tmp_path):
+    from recipes.study import Study, main
+
+    beir = tmp_path / "beir"
+    beir.mkdir()
+    (beir / "corpus.jsonl").touch()
+    (tmp_path / "a.txt").touch()
+    args = ["--pretrain-inputs", str(tmp_path / "a.txt"), "--finetune-beir", str(beir)]
+    args += ["--bert", "--stages", "zero_shot", "--out", str(tmp_path / "out")]
+    study = Study(
+        bert_config(str(tmp_path / "out"), pretrain_inputs=[str(tmp_path / "a.txt")],
+                    finetune_beir=str(beir), stages=["zero_shot"])
+    )  # fmt: skip
+    row = dict(_row("retromae", "zero_shot", 1, 0.2, start="bert"), pooling="cls", task="beir")
+    cell = study.cell("bert", "retromae", 1)
+    cell.mkdir(parents=True)
+    (cell / "zero_shot.json").write_text(json.dumps({"rows": [row]}))
+    assert study.finished() == [row]
+    assert main([*args, "--report-only"]) == 0  # nothing trained: no base, no shards
+    assert not study.base_cell().exists() and not study.shards_dir("bert").exists()
+    assert (
+        "| beir | bert | retromae | zero_shot | cls | 1 |"
+        in (tmp_path / "out" / "study.md").read_text()
+    )
