@@ -129,6 +129,7 @@ class Study:
         self.env = {} if cfg.device == "auto" else {"DS_ACCELERATOR": "cpu"}
         if cfg.device == "cpu":
             self.env["CUDA_VISIBLE_DEVICES"] = ""
+        self._beir: dict[str, Any] = {}  # evaluation splits, loaded once per task
 
     # -- what runs, and where it goes ---------------------------------------------------
     def cells(self) -> list[tuple[str, str, int]]:
@@ -411,6 +412,19 @@ class Study:
         )
         return encoder
 
+    def result_path(self, start: str, objective: str, seed: int, stage: str, task: str) -> Path:
+        """Where one encoder's rows on one task are kept (the fine-tuning task's without a
+        suffix)."""
+        first = task == next(iter(self.cfg.tasks))
+        name = f"{stage}.json" if first else f"{stage}@{task}.json"
+        return self.cell(start, objective, seed) / name
+
+    def _saved_rows(self, path: Path) -> list[dict[str, Any]] | None:
+        """The rows kept at ``path``; None when there are none (a file without rows predates
+        the poolings: it is redone)."""
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        return saved.get("rows")
+
     def result(
         self, start: str, objective: str, seed: int, stage: str, task: str | None = None
     ) -> list[dict[str, Any]]:
@@ -418,13 +432,10 @@ class Study:
         encoding pass; cached in the cell."""
         tasks = self.cfg.tasks
         task = task or next(iter(tasks))
-        first = task == next(iter(tasks))
-        path = self.cell(start, objective, seed) / (
-            f"{stage}.json" if first else f"{stage}@{task}.json"
-        )
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        if "rows" in saved:  # (a file without rows predates the poolings: it is redone)
-            return saved["rows"]
+        path = self.result_path(start, objective, seed, stage, task)
+        saved = self._saved_rows(path)
+        if saved is not None:
+            return saved
         t = time.perf_counter()
         if stage == "zero_shot":
             encoder = self.pretrained(start, objective, seed)
@@ -457,7 +468,9 @@ class Study:
         from retromae_ds.eval.encode import HFEncoder
         from retromae_ds.eval.run import evaluate_embeddings
 
-        data = load_beir(beir, self.cfg.eval_split)
+        if beir not in self._beir:
+            self._beir[beir] = load_beir(beir, self.cfg.eval_split)
+        data = self._beir[beir]
         model = HFEncoder.from_dir(
             encoder,
             max_length=self.cfg.eval_max_length,
@@ -519,14 +532,11 @@ class Study:
         for task in self.cfg.tasks:
             path = self.out / f"bm25@{task}.json"
             rows += [json.loads(path.read_text())] if path.exists() else []
-        first = next(iter(self.cfg.tasks))
         for start, objective, seed in self.cells():
             for stage in self.stages(start, objective):
                 for task in self.cfg.tasks:
-                    name = f"{stage}.json" if task == first else f"{stage}@{task}.json"
-                    path = self.cell(start, objective, seed) / name
-                    saved = json.loads(path.read_text()) if path.exists() else {}
-                    rows += saved.get("rows", [])
+                    path = self.result_path(start, objective, seed, stage, task)
+                    rows += self._saved_rows(path) or []
         return rows
 
     def run(self) -> list[dict[str, Any]]:
