@@ -23,6 +23,16 @@ from retromae_ds.fsutil import atomic_write_text
 OBJECTIVES = ("none", "mlm", "retromae", "seed", "seed_strong")
 STAGES = ("zero_shot", "bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
+RERANK_MEASURES = ("rerank_map", "rerank_mrr@10")
+"""Reranking of each query's candidates (positives + BM25 negatives; ``eval.rerank``), in
+the rows of a study that asks for it."""
+NAMES = {
+    "ndcg@10": "nDCG@10",
+    "mrr@10": "MRR@10",
+    "recall@100": "Recall@100",
+    "rerank_map": "rerank MAP",
+    "rerank_mrr@10": "rerank MRR@10",
+}
 
 
 CLAIMS = (
@@ -61,7 +71,9 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "pooling": pooling,
             "n": len(rs),
         }
-        for m in MEASURES:
+        for m in MEASURES + RERANK_MEASURES:
+            if not all(m in r["metrics"] for r in rs):
+                continue
             xs = [r["metrics"][m] for r in rs]
             agg[m] = statistics.fmean(xs)
             agg[m + "_std"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
@@ -87,17 +99,26 @@ def _sorted(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
 
 
+def _measures(agg: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The retrieval measures, and the reranking ones where some row has them."""
+    rerank = tuple(m for m in RERANK_MEASURES if any(m in a for a in agg))
+    return MEASURES + rerank
+
+
 def table(agg: list[dict[str, Any]]) -> str:
+    measures = _measures(agg)
     lines = [
-        "| task | start | objective | stage | pooling | seeds | nDCG@10 | MRR@10 | Recall@100 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | start | objective | stage | pooling | seeds | "
+        + " | ".join(NAMES[m] for m in measures)
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(measures),
     ]
     for a in _sorted(agg):
         if a["start"] == "lexical":
-            cells = " | ".join(f"{a[m]:.4f}" for m in MEASURES)
+            cells = " | ".join(f"{a[m]:.4f}" if m in a else "—" for m in measures)
             lines.append(f"| {a['task']} | — | BM25 | — | — | — | {cells} |")
             continue
-        cells = " | ".join(f"{a[m]:.4f} ± {a[m + '_std']:.4f}" for m in MEASURES)
+        cells = " | ".join(f"{a[m]:.4f} ± {a[m + '_std']:.4f}" if m in a else "—" for m in measures)
         lines.append(
             f"| {a['task']} | {a['start']} | {a['objective']} | {a['stage']} | {a['pooling']} "
             f"| {a['n']} | {cells} |"
@@ -284,17 +305,17 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
     using a difference larger than the two standard errors combined as 'clearly'."""
     by_key = {_key(a): a for a in agg}
 
-    def compare(a, b) -> str:
+    def compare(a, b, m: str = "ndcg@10") -> str:
         if min(a["n"], b["n"]) < 2:
             return "one seed, no error estimate: no verdict"
-        diff = a["ndcg@10"] - b["ndcg@10"]
-        se = math.sqrt(a["ndcg@10_std"] ** 2 / a["n"] + b["ndcg@10_std"] ** 2 / b["n"])
+        diff = a[m] - b[m]
+        se = math.sqrt(a[m + "_std"] ** 2 / a["n"] + b[m + "_std"] ** 2 / b["n"])
         if abs(diff) <= 2 * se:
             return "no clear difference"
         return "higher" if diff > 0 else "lower"
 
-    def ratio(a, b) -> str:
-        return f" ({a['ndcg@10'] / b['ndcg@10']:.1f}×)" if b["ndcg@10"] > 0 else ""
+    def ratio(a, b, m: str) -> str:
+        return f" ({a[m] / b[m]:.1f}×)" if b[m] > 0 else ""
 
     out = []
     dense = [a for a in _sorted(agg) if a["start"] != "lexical"]
@@ -306,11 +327,15 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
                     continue
                 a = by_key.get((task, start, x, stage, pooling))
                 b = by_key.get((task, start, y, stage, pooling))
-                if a and b and not (y == "none" and stage != "zero_shot"):
-                    out.append(
-                        f"{where}, {stage}: {x} {a['ndcg@10']:.4f} vs {y} {b['ndcg@10']:.4f} "
-                        f"nDCG@10{ratio(a, b)}: {compare(a, b)} ({who}: {x} > {y})"
-                    )
+                if not (a and b) or (y == "none" and stage != "zero_shot"):
+                    continue
+                for m in ("ndcg@10", "rerank_map"):
+                    if m in a and m in b:
+                        out.append(
+                            f"{where}, {stage}: {x} {a[m]:.4f} vs {y} {b[m]:.4f} "
+                            f"{NAMES[m]}{ratio(a, b, m)}: {compare(a, b, m)} "
+                            f"({who}: {x} > {y})"
+                        )
         for objective in OBJECTIVES:
             a = by_key.get((task, start, objective, "ance", pooling))
             b = by_key.get((task, start, objective, "bm25", pooling))

@@ -52,6 +52,7 @@ from recipes.study_config import (
     DATA_NEEDED,
     StudyConfig,
     bert_config,
+    chinese_config,
     gpu_config,
     quick_config,
 )
@@ -130,6 +131,7 @@ class Study:
         if cfg.device == "cpu":
             self.env["CUDA_VISIBLE_DEVICES"] = ""
         self._beir: dict[str, Any] = {}  # evaluation splits, loaded once per task
+        self._candidates: dict[str, Any] = {}  # reranking lists, mined once per task
 
     # -- what runs, and where it goes ---------------------------------------------------
     def cells(self) -> list[tuple[str, str, int]]:
@@ -300,21 +302,32 @@ class Study:
         folder = self.shards_dir(start)
         if (folder / "manifest.json").exists():
             return folder
-        kw: dict[str, Any] = (
-            {"tokenizer": str(_minilm_dir())}
-            if start == "minilm"
-            else {"train_tokenizer": self.cfg.vocab_size}
-        )
+        if start == "minilm":
+            kw: dict[str, Any] = {"tokenizer": str(_minilm_dir())}
+        elif self.cfg.tokenizer_vocab:
+            kw = {"tokenizer": str(self.tokenizer())}
+        else:
+            kw = {"train_tokenizer": self.cfg.vocab_size}
         run_preprocess(
             PreprocessConfig(
                 inputs=list(self.cfg.pretrain_inputs),
                 out=str(folder),
                 max_length=self.cfg.max_length,
                 workers=self.cfg.workers,
+                segmenter=self.cfg.segmenter,
                 progress=False,  # its summary line says what it did
                 **kw,
             )
         )
+        return folder
+
+    def tokenizer(self) -> Path:
+        """The tokenizer folder made from ``tokenizer_vocab`` (once)."""
+        from retromae_ds.data.tokenizer import make_wordpiece
+
+        folder = self.out / "tokenizer"
+        if not (folder / "tokenizer.json").exists():
+            make_wordpiece(self.cfg.tokenizer_vocab, folder)
         return folder
 
     def pretrained(self, start: str, objective: str, seed: int) -> Path:
@@ -421,9 +434,13 @@ class Study:
 
     def _saved_rows(self, path: Path) -> list[dict[str, Any]] | None:
         """The rows kept at ``path``; None when there are none (a file without rows predates
-        the poolings: it is redone)."""
+        the poolings, one without reranking measures a study that now asks for them: it is
+        redone)."""
         saved = json.loads(path.read_text()) if path.exists() else {}
-        return saved.get("rows")
+        rows = saved.get("rows")
+        if rows and self.cfg.rerank and not all("rerank_map" in r["metrics"] for r in rows):
+            return None  # evaluated before reranking was asked for: redo the evaluation
+        return rows
 
     def result(
         self, start: str, objective: str, seed: int, stage: str, task: str | None = None
@@ -461,16 +478,20 @@ class Study:
 
     def _evaluate(self, encoder: Path, beir: str) -> dict[str, dict[str, float]]:
         """``{pooling: {measure: value}}`` of one encoder on ``eval_split`` of ``beir``: exact
-        inner-product search, every pooling from one encoding of corpus and queries."""
+        inner-product search, every pooling from one encoding of corpus and queries (and the
+        reranking measures ``rerank_map``, ``rerank_mrr@10`` when ``cfg.rerank``)."""
         import torch
 
         from retromae_ds.eval.beir import load_beir
         from retromae_ds.eval.encode import HFEncoder
+        from retromae_ds.eval.rerank import bm25_candidates, evaluate_rerank
         from retromae_ds.eval.run import evaluate_embeddings
 
         if beir not in self._beir:
             self._beir[beir] = load_beir(beir, self.cfg.eval_split)
         data = self._beir[beir]
+        if self.cfg.rerank and beir not in self._candidates:
+            self._candidates[beir] = bm25_candidates(data)
         model = HFEncoder.from_dir(
             encoder,
             max_length=self.cfg.eval_max_length,
@@ -485,6 +506,11 @@ class Study:
         for pooling in poolings:
             mean, _ = evaluate_embeddings(data, queries[pooling], corpus[pooling], MEASURES)
             out[pooling] = {m: mean[m] for m in MEASURES}
+            if self.cfg.rerank:
+                rr, _ = evaluate_rerank(
+                    data, self._candidates[beir], queries[pooling], corpus[pooling]
+                )
+                out[pooling] |= {f"rerank_{m}": v for m, v in rr.items()}
         return out
 
     def bm25(self, task: str) -> dict[str, Any]:
@@ -582,6 +608,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the MLM-base protocol: one MLM base, continued by every objective",
     )
+    mode.add_argument(
+        "--chinese",
+        action="store_true",
+        help="the MLM-base protocol in Chinese: BERT-Chinese vocabulary, jieba whole-word "
+        "masking, CSL retrieval and reranking (DIR holds csl/ and chinese/vocab.txt)",
+    )
     mode.add_argument("--gpu", action="store_true", help="the protocol scaled up for one GPU")
     p.add_argument(
         "--pretrain-inputs",
@@ -627,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = quick_config(args.out, data, **overrides)
     elif args.bert:
         cfg = bert_config(args.out, data, **overrides)
+    elif args.chinese:
+        cfg = chinese_config(args.out, data, **overrides)
     elif args.gpu:
         cfg = gpu_config(args.out, data, **overrides)
     else:

@@ -3,6 +3,7 @@
 retromae-ds demo               the main job on the built-in corpus (README; recipes/demo.py)
 retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_shards.py)
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
+retromae-ds make-tokenizer     a BERT tokenizer folder from a vocab.txt (e.g. Chinese BERT)
 retromae-ds inspect DIR        summary of a shards folder
 retromae-ds finetune ...       ANCE dense-retrieval fine-tuning (--config FILE, --a.b VALUE)
 retromae-ds refresh ...        the asynchronous hard-negative refresher of a fine-tuning run
@@ -57,6 +58,14 @@ def add_preprocess_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pack", action="store_true", help="pack short rows into samples up to the max length"
     )
+    p.add_argument(
+        "--segmenter",
+        choices=("none", "jieba", "auto"),
+        default="none",
+        help="whole-word masking of Chinese: word starts from jieba's words (auto: when the "
+        "inputs hold Han characters); needs the 'chinese' extra",
+    )
+    p.add_argument("--segmenter-dict", default=None, help="a jieba dictionary replacing its own")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
     p.add_argument(
@@ -102,6 +111,8 @@ def preprocess_config_from_args(args: argparse.Namespace):
         max_length=args.max_length,
         shard_size=args.shard_size,
         pack=args.pack,
+        segmenter=args.segmenter,
+        segmenter_dict=args.segmenter_dict,
         workers=args.workers,
         on_error=args.on_error,
         num_tasks=args.num_tasks,
@@ -140,6 +151,20 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
 
     tok = train_wordpiece(texts, args.vocab_size, args.out, lowercase=args.lowercase)
     print(f"train-tokenizer: {len(tok)} tokens -> {args.out}")
+    return 0
+
+
+def cmd_make_tokenizer(args: argparse.Namespace) -> int:
+    from retromae_ds.data.tokenizer import make_wordpiece
+
+    tok = make_wordpiece(
+        args.vocab,
+        args.out,
+        lowercase=args.lowercase,
+        chinese=args.chinese,
+        max_length=args.max_length,
+    )
+    print(f"make-tokenizer: {len(tok)} tokens -> {args.out}")
     return 0
 
 
@@ -184,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preprocess", help="raw text -> memory-mapped Arrow shards")
     add_preprocess_args(p)
     p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser(
+        "make-tokenizer", help="a BERT fast-tokenizer folder from a WordPiece vocab.txt"
+    )
+    p.add_argument("--vocab", required=True, help="vocab.txt, one token a line")
+    p.add_argument("--out", required=True, help="tokenizer folder to write")
+    p.add_argument("--no-lowercase", dest="lowercase", action="store_false")
+    p.add_argument(
+        "--chinese",
+        action="store_true",
+        help="check that the vocabulary covers Han characters (BERT-Base Chinese)",
+    )
+    p.add_argument("--max-length", type=int, default=512)
+    p.set_defaults(func=cmd_make_tokenizer)
 
     p = sub.add_parser("train-tokenizer", help="train a WordPiece tokenizer on inputs")
     p.add_argument("inputs", nargs="+")

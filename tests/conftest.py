@@ -33,7 +33,7 @@ def tokenizer(tokenizer_dir):
     return load_tokenizer(tokenizer_dir)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent (set RETROMAE_DS_SHARED_DATA)")

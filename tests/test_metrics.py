@@ -130,7 +130,7 @@ def test_queries_without_relevant_documents_are_skipped_or_zero():
 def test_measure_names():
     assert parse_measure("nDCG@10") == ("ndcg", 10)
     assert max_cutoff(["mrr@10", "recall@1000"]) == 1000
-    for bad in ("ndcg", "map@10", "ndcg@0", "ndcg@x"):
+    for bad in ("ndcg", "map", "err@10", "ndcg@0", "ndcg@x"):
         with pytest.raises(ValueError, match="unknown measure"):
             parse_measure(bad)
 
@@ -193,10 +193,11 @@ def test_matches_pytrec_eval_with_ties(data):
     )
     qrels, run = data
     # runs hold at most 12 documents, so mrr@100 is trec_eval's uncut recip_rank
-    ours = ("ndcg@1", "ndcg@3", "ndcg@10", "recall@1", "recall@5", "mrr@100")
+    ours = ("ndcg@1", "ndcg@3", "ndcg@10", "recall@1", "recall@5", "mrr@100", "map@3", "map@100")
     names = ("ndcg_cut_1", "ndcg_cut_3", "ndcg_cut_10", "recall_1", "recall_5", "recip_rank")
+    names += ("map_cut_3", "map")  # map: uncut, as mrr@100
     evaluator = pytrec_eval.RelevanceEvaluator(
-        qrels, {"ndcg_cut.1,3,10", "recall.1,5", "recip_rank"}
+        qrels, {"ndcg_cut.1,3,10", "recall.1,5", "recip_rank", "map_cut.3", "map"}
     )
     theirs = evaluator.evaluate(run)
     _, per_query = evaluate_run(qrels, run, ours, skip_queries_without_relevant=False)

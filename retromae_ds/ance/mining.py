@@ -9,7 +9,7 @@ unlabelled positives), and ``strategy="top"`` takes the next n after ``skip_top`
 with too few candidates is topped up with random passages that are not its positives, so
 every query gets exactly n negatives. Deterministic for a given seed.
 
-``bm25_rankings`` gives the initial ranking with ``bm25s``; ``publish_bm25`` mines and
+``bm25_rankings`` gives the initial ranking with BM25 (``eval.lexical``, language-aware); ``publish_bm25`` mines and
 publishes it as the first negatives version of a fine-tuning run.
 """
 
@@ -92,21 +92,14 @@ def _random_fill(
 def bm25_rankings(
     passages: Sequence[str], queries: Sequence[str], k: int, *, progress: bool = True
 ) -> np.ndarray:
-    """Top-``k`` passage indices per query by BM25 (``bm25s``, English stop words), ``[Q, k]``,
-    ``-1`` where the corpus is smaller than k."""
-    import bm25s
+    """Top-``k`` passage indices per query by BM25 (``eval.lexical.bm25_search``: English
+    stop words and stemmer, or jieba words / Han characters for Chinese), ``[Q, k]``, ``-1``
+    where the corpus is smaller than k."""
+    from retromae_ds.eval.lexical import bm25_search
 
-    k_eff = min(k, len(passages))
-    retriever = bm25s.BM25()
-    retriever.index(
-        bm25s.tokenize(list(passages), stopwords="en", show_progress=progress),
-        show_progress=progress,
-    )
-    tokens = bm25s.tokenize(list(queries), stopwords="en", show_progress=progress)
-    ids, _ = retriever.retrieve(tokens, k=k_eff, show_progress=progress, n_threads=0)
-    ids = np.asarray(ids, dtype=np.int64)
-    if k_eff < k:
-        ids = np.hstack([ids, np.full((len(ids), k - k_eff), -1, dtype=np.int64)])
+    ids, _, _ = bm25_search(passages, queries, k, progress=progress)
+    if ids.shape[1] < k:
+        ids = np.hstack([ids, np.full((len(ids), k - ids.shape[1]), -1, dtype=np.int64)])
     return ids
 
 
@@ -123,11 +116,11 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
     doc_ids, texts = load_corpus(Path(settings["beir"]) / "corpus.jsonl")
     text_of = dict(zip(doc_ids, texts, strict=True))
     queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
+    from retromae_ds.eval.lexical import choose_analyzer
+
+    passages = [text_of[d] for d in ts.passage_ids]
     ranked = bm25_rankings(
-        [text_of[d] for d in ts.passage_ids],
-        [queries[q] for q in ts.query_ids],
-        cfg.top_k,
-        progress=cfg.progress,
+        passages, [queries[q] for q in ts.query_ids], cfg.top_k, progress=cfg.progress
     )
     negatives = mine(
         ranked,
@@ -147,6 +140,7 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
         step=0,
         meta={
             "source": "bm25",
+            "analyzer": choose_analyzer(passages),
             "data": ts.fingerprint(),
             "settings": mining_settings(cfg),
             "timings": {"bm25_s": round(time.perf_counter() - t0, 3)},

@@ -42,6 +42,9 @@ import pyarrow as pa
 
 from retromae_ds import faults
 from retromae_ds.data import schema
+from retromae_ds.data.segment import Segmenter, SegmenterSpec
+from retromae_ds.data.segment import identity as segmenter_identity
+from retromae_ds.data.segment import resolve as resolve_segmenter
 from retromae_ds.data.sources import (
     InputError,
     SourceOptions,
@@ -86,6 +89,12 @@ class PreprocessConfig:
     the output stays the same for any worker count)."""
     pack: bool = False
     """Pack consecutive short rows into samples of up to the row limit."""
+    segmenter: str = "none"
+    """Word starts for whole-word masking of Chinese: ``jieba`` (a token inside a jieba word
+    with a Han character is no word start; see ``data.segment``), ``auto`` (jieba when the
+    inputs hold Han characters) or ``none`` (the tokenizer's words only)."""
+    segmenter_dict: str | None = None
+    """A jieba main dictionary replacing the shipped one (its hash is part of the plan)."""
     workers: int = 1
     """Worker processes."""
     on_error: str = "raise"
@@ -101,6 +110,8 @@ class PreprocessConfig:
     source: SourceOptions = field(default_factory=SourceOptions)
 
     def __post_init__(self) -> None:
+        if self.segmenter not in ("none", "jieba", "auto"):
+            raise ValueError(f"segmenter must be 'none', 'jieba' or 'auto', not {self.segmenter!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
         if self.workers < 1:
@@ -130,7 +141,13 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(
-    backend_json: str, limit: int, pack: bool, on_error: str, source: SourceOptions, shard_dir: str
+    backend_json: str,
+    limit: int,
+    pack: bool,
+    on_error: str,
+    source: SourceOptions,
+    shard_dir: str,
+    segmenter: SegmenterSpec | None = None,
 ) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if not backend_json.lstrip().startswith("{"):  # a path: keeps spawn's start-up payload small
@@ -145,6 +162,7 @@ def _init_worker(
         on_error=on_error,
         source=source,
         shard_dir=Path(shard_dir),
+        segmenter=None if segmenter is None else Segmenter(segmenter),
     )
 
 
@@ -155,7 +173,9 @@ def _process_unit(unit: Unit) -> dict[str, Any]:
         docs = read_unit(unit, w["source"], w["on_error"])
     except InputError as exc:
         return {"unit": unit.index, "error": str(exc)}
-    tokens = tokenize_documents(w["backend"], docs.texts, continuation=w["continuation"])
+    tokens = tokenize_documents(
+        w["backend"], docs.texts, continuation=w["continuation"], segmenter=w["segmenter"]
+    )
     batch, counts = build_batch(tokens, docs.ids, w["limit"], w["pack"])
     name = shard_name(unit.index)
     final = w["shard_dir"] / f"{name}{schema.SHARD_SUFFIX}"
@@ -287,7 +307,12 @@ def _prepare_out(out: Path) -> None:
 
 
 def _plan_settings(
-    cfg: PreprocessConfig, inputs: list, shard_size: int, units: list[Unit], plan_rejects: list
+    cfg: PreprocessConfig,
+    inputs: list,
+    shard_size: int,
+    units: list[Unit],
+    plan_rejects: list,
+    segmenter: SegmenterSpec | None,
 ) -> dict:
     """Everything that shapes the output and is known before the tokenizer is ready; with
     the tokenizer's fingerprint and row limit it makes the plan a resumed run must match."""
@@ -301,6 +326,7 @@ def _plan_settings(
         "tokenizer_training": training,
         "max_length": cfg.max_length,
         "packed": cfg.pack,
+        "segmenter": None if segmenter is None else segmenter_identity(segmenter),
         "shard_size": shard_size,
         "on_error": cfg.on_error,
         "plan_rejects": plan_rejects,
@@ -351,6 +377,16 @@ def _describe_change(key: str, old: Any, new: Any) -> str:
             return f"--train-tokenizer {t['vocab_size']} {case}"
 
         return f"tokenizer training ({how(old)} -> {how(new)})"
+    if key == "segmenter":
+
+        def seg(s: dict | None) -> str:
+            if s is None:
+                return "none"
+            return f"{s['name']} {s['version']}, dictionary {s['dictionary']} sha256 " + (
+                f"{s['dictionary_sha256'][:12]}, hmm={s['hmm']}"
+            )
+
+        return f"segmenter ({seg(old)} -> {seg(new)})"
     if key == "units" or isinstance(new, (dict, list)):
         return key
     return f"{key} ({old!r} -> {new!r})"
@@ -391,7 +427,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     units, plan_rejects = plan_units(inputs, shard_size, cfg.source, cfg.on_error)
     from retromae_ds.data.tokenizer import backend_json, fingerprint
 
-    settings = _plan_settings(cfg, inputs, shard_size, units, plan_rejects)
+    segmenter = resolve_segmenter(cfg.segmenter, [i.path for i in inputs], cfg.segmenter_dict)
+    settings = _plan_settings(cfg, inputs, shard_size, units, plan_rejects, segmenter)
     _check_plan(out, settings)  # before a tokenizer is trained or kept
     tok = _prepare_tokenizer(cfg, out, units)
     limit = cfg.max_length - tok.num_special_tokens_to_add(pair=False)
@@ -408,7 +445,9 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     with _saving(backend_file, f"{out}: cannot write the tokenizer for the workers"):
         atomic_write_text(backend_file, backend_json(tok))
     try:
-        stats = _run_units(cfg, todo, str(backend_file), limit, shard_dir, len(mine) - len(todo))
+        stats = _run_units(
+            cfg, todo, str(backend_file), limit, shard_dir, len(mine) - len(todo), segmenter
+        )
     finally:
         backend_file.unlink(missing_ok=True)
     elapsed = time.perf_counter() - started
@@ -445,11 +484,17 @@ def _unit_complete(shard_dir: Path, unit_index: int) -> bool:
 
 
 def _run_units(
-    cfg: PreprocessConfig, todo: list[Unit], backend: str, limit: int, shard_dir: Path, kept: int
+    cfg: PreprocessConfig,
+    todo: list[Unit],
+    backend: str,
+    limit: int,
+    shard_dir: Path,
+    kept: int,
+    segmenter: SegmenterSpec | None,
 ) -> dict:
     from tqdm import tqdm
 
-    init_args = (backend, limit, cfg.pack, cfg.on_error, cfg.source, str(shard_dir))
+    init_args = (backend, limit, cfg.pack, cfg.on_error, cfg.source, str(shard_dir), segmenter)
     totals = {"documents": 0, "tokens": 0, "kept": kept}
     bar = tqdm(
         total=len(todo), unit="shard", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True
@@ -533,6 +578,7 @@ def merge(out: Path, progress: bool = True) -> dict[str, Any]:
         "max_length": plan["max_length"],
         "max_tokens_per_row": plan["max_tokens_per_row"],
         "packed": plan["packed"],
+        "segmenter": plan.get("segmenter"),
         "counts": counts,
         "shards": [
             {k: r[k] for k in ("file", "rows", "packs", "documents", "tokens", "bytes", "sha256")}

@@ -61,10 +61,22 @@ def tokenize_documents(
     texts: list[str],
     batch_size: int = 1024,
     continuation: np.ndarray | None | str = "auto",
+    segmenter=None,
 ) -> TokenizedDocs:
     """Tokenize without special tokens. Word starts come from the encodings' word ids, or,
     for WordPiece behind BERT's pre-tokenizer, from the ids themselves (the same flags, twice
-    as fast; ``continuation`` is ``continuation_mask(backend)``, computed when "auto")."""
+    as fast; ``continuation`` is ``continuation_mask(backend)``, computed when "auto").
+    With a ``segment.Segmenter``, tokens continuing a segmenter word (Chinese) are no word
+    starts."""
+    docs = _tokenize(backend, texts, batch_size, continuation)
+    if segmenter is not None:
+        from retromae_ds.data import segment
+
+        segment.apply(segmenter, backend, texts, docs.word_starts, docs.offsets)
+    return docs
+
+
+def _tokenize(backend, texts, batch_size, continuation) -> TokenizedDocs:
     mask = continuation_mask(backend) if isinstance(continuation, str) else continuation
     if mask is not None:
         return _tokenize_wordpiece(backend, texts, batch_size, mask)

@@ -88,16 +88,7 @@ def train_wordpiece(
     hash-map order, and ids break ties between equally frequent merges), so every ``##c``
     of the corpus alphabet is registered, in sorted order, before training starts.
     """
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     read = (lambda: texts) if isinstance(texts, list) else texts
     normalizer = normalizers.BertNormalizer(lowercase=lowercase)
@@ -121,11 +112,21 @@ def train_wordpiece(
 
     # Rebuild so that only the real special tokens are special; the ##c pieces stay ordinary
     # vocabulary entries.
-    backend = Tokenizer(
-        models.WordPiece(
-            trainer_backend.get_vocab(), unk_token="[UNK]", continuing_subword_prefix="##"
-        )
-    )
+    tok = _bert_fast(trainer_backend.get_vocab(), normalizer, 512)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out))
+    return load_tokenizer(out)
+
+
+def _bert_fast(vocab: dict[str, int], normalizer, max_length: int) -> Any:
+    """BERT's WordPiece tokenizer over ``vocab``: ``normalizer``, BERT's pre-tokenizer,
+    ``##`` continuation pieces, ``[CLS] A [SEP]`` (pairs ``[CLS] A [SEP] B [SEP]``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
     backend.normalizer = normalizer
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     backend.decoder = decoders.WordPiece()
@@ -136,18 +137,67 @@ def train_wordpiece(
         pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
-    tok = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         unk_token="[UNK]",
         pad_token="[PAD]",
         cls_token="[CLS]",
         sep_token="[SEP]",
         mask_token="[MASK]",
-        model_max_length=512,
+        model_max_length=max_length,
     )
+
+
+def make_wordpiece(
+    vocab_file: str | Path,
+    out_dir: str | Path,
+    *,
+    lowercase: bool = True,
+    chinese: bool = False,
+    max_length: int = 512,
+) -> Any:
+    """A BERT fast-tokenizer folder from a bare WordPiece ``vocab.txt`` (e.g. BERT-Base
+    Chinese's 21,128 entries): BERT's normaliser (Han characters split one per token),
+    pre-tokenizer and ``[CLS] A [SEP]`` template. ``chinese`` refuses a vocabulary that does
+    not cover the common Han characters (where every one would be ``[UNK]``). The folder is
+    written whole or not at all."""
+    import os
+    import shutil
+    import tempfile
+
+    from tokenizers import normalizers
+
+    vocab = Path(vocab_file)
+    if not vocab.is_file():
+        raise FileNotFoundError(f"vocabulary file not found: {vocab}")
+    entries = vocab.read_text(encoding="utf-8").splitlines()
+    index: dict[str, int] = {}
+    for i, token in enumerate(entries):
+        index.setdefault(token, i)  # a duplicate line keeps its first id, as BERT's loader
+    missing = [t for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]") if t not in index]
+    if missing:
+        raise ValueError(f"{vocab}: not a BERT WordPiece vocabulary (no {', '.join(missing)})")
+    if chinese:
+        from retromae_ds.data.segment import HAN
+
+        han = sum(1 for t in entries if len(t) == 1 and HAN.match(t))
+        if han < 3000:
+            raise ValueError(
+                f"{vocab}: only {han} single Han characters (a Chinese BERT vocabulary has "
+                "several thousand); Chinese text would be mostly [UNK]"
+            )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        normalizer = normalizers.BertNormalizer(lowercase=lowercase, handle_chinese_chars=True)
+        _bert_fast(index, normalizer, max_length).save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return load_tokenizer(out)
 
 

@@ -8,6 +8,9 @@ Measures are named ``"ndcg@10"``, ``"mrr@10"``, ``"recall@100"``: ``name@k``.
   (trec_eval's ``ndcg_cut``: linear gain, not ``2**rel - 1``).
 - **MRR@k**: 1 / rank of the first relevant document (level > 0) within the top k, else 0.
 - **Recall@k**: relevant documents in the top k / all judged relevant documents.
+- **MAP@k** (``map@k``): average precision, the sum of precision@rank over the relevant
+  documents within the top k, divided by the number of judged relevant documents
+  (trec_eval's ``map_cut``; with k at least the ranking's length, its ``map``).
 
 Which queries count: by default every query of the qrels, as BEIR averages (pytrec_eval over
 every qrels query), so a query whose judgments are all non-relevant scores 0; pass
@@ -27,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 Qrels = Mapping[str, Mapping[str, int]]
 Run = Mapping[str, Mapping[str, float]]
 
-MEASURES = ("ndcg", "mrr", "recall")
+MEASURES = ("ndcg", "mrr", "recall", "map")
 DEFAULT_MEASURES = ("ndcg@10", "mrr@10", "recall@100", "recall@1000")
 
 
@@ -87,7 +90,20 @@ def recall_at_k(ranked: Sequence[str], judgments: Mapping[str, int], k: int) -> 
     return sum(1 for doc in set(ranked[:k]) if doc in relevant) / len(relevant)
 
 
-_FUNCTIONS = {"ndcg": ndcg_at_k, "mrr": mrr_at_k, "recall": recall_at_k}
+def map_at_k(ranked: Sequence[str], judgments: Mapping[str, int], k: int) -> float:
+    """Average precision within the top k; 0 when no judged document is relevant."""
+    relevant = _relevant(judgments)
+    if not relevant:
+        return 0.0
+    hits, total = 0, 0.0
+    for rank, doc in enumerate(ranked[:k], start=1):
+        if doc in relevant:
+            hits += 1
+            total += hits / rank
+    return total / len(relevant)
+
+
+_FUNCTIONS = {"ndcg": ndcg_at_k, "mrr": mrr_at_k, "recall": recall_at_k, "map": map_at_k}
 
 
 def per_query_metrics(

@@ -8,6 +8,10 @@ timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same s
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
     retromae-ds eval --model DIR --beir DIR [--split test] [--pooling cls|mean] [--normalize]
+                     [--rerank [--rerank-negatives N | --candidates FILE]]
+
+``--rerank`` also ranks each query's candidate list with the same embeddings and reports MAP
+and MRR@10 (C-MTEB's reranking measures; ``retromae_ds.eval.rerank``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ import torch
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
 from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
+from retromae_ds.eval.rerank import (
+    DEFAULT_NEGATIVES,
+    bm25_candidates,
+    evaluate_rerank,
+    load_candidates,
+)
 from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.index import Backend, ExactIndex, Metric
 
@@ -89,6 +99,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['num_corpus']} documents"
     ]
     lines += [f"  {name:<12} {value:.4f}" for name, value in result["metrics"].items()]
+    if "rerank" in result:
+        rr = result["rerank"]
+        lines.append(f"  reranking {rr['num_queries']} candidate lists ({rr['candidates']}):")
+        lines += [f"  {name:<12} {value:.4f}" for name, value in rr["metrics"].items()]
     return "\n".join(lines)
 
 
@@ -116,6 +130,9 @@ def evaluate_beir(
     out_json: str | Path | None = None,
     progress: bool = True,
     verbose: bool = True,
+    rerank: bool = False,
+    rerank_negatives: int = DEFAULT_NEGATIVES,
+    candidates: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate a dense retriever on one split of a BEIR dataset.
 
@@ -127,6 +144,8 @@ def evaluate_beir(
         beir_dir: a BEIR dataset folder, or a ``BeirData`` already loaded (with its split).
         measures: metric names ``name@k``; the search depth is the largest k.
         out_json: write the result there as JSON (atomically).
+        rerank: also rerank each query's candidates (its positives and ``rerank_negatives``
+            BM25 negatives, or the lists of the JSONL file ``candidates``): ``"rerank"`` key.
         verbose: print the summary table.
 
     Raises ``ValueError`` for an empty corpus, no judged queries, or no judged document in the
@@ -186,6 +205,22 @@ def evaluate_beir(
         ignore_identical_ids=ignore_identical_ids,
     )
     seconds["search_and_metrics"] = time.perf_counter() - t
+    reranked = None
+    if rerank or candidates is not None:
+        t = time.perf_counter()
+        if candidates is not None:
+            lists, source = load_candidates(candidates, data), str(candidates)
+        else:
+            lists = bm25_candidates(data, rerank_negatives)
+            source = f"positives + {rerank_negatives} BM25 negatives"
+        rr_mean, rr_per_query = evaluate_rerank(data, lists, query_emb, corpus_emb)
+        reranked = {
+            "candidates": source,
+            "num_queries": len(rr_per_query),
+            "metrics": rr_mean,
+            "per_query": rr_per_query,
+        }
+        seconds["rerank"] = time.perf_counter() - t
 
     result = {
         "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
@@ -208,6 +243,8 @@ def evaluate_beir(
         "seconds": {name: round(value, 3) for name, value in seconds.items()},
         "per_query": per_query,
     }
+    if reranked is not None:
+        result["rerank"] = reranked
     if verbose:
         print(format_table(result))
     if out_json is not None:
@@ -235,6 +272,22 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:1, ...")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument(
+        "--rerank",
+        action="store_true",
+        help="also rerank each query's candidates (positives + BM25 negatives): MAP, MRR@10",
+    )
+    p.add_argument(
+        "--rerank-negatives",
+        type=int,
+        default=DEFAULT_NEGATIVES,
+        help=f"BM25 negatives per candidate list (default {DEFAULT_NEGATIVES})",
+    )
+    p.add_argument(
+        "--candidates",
+        default=None,
+        help="JSONL candidate lists (query_id, negative[, positive]) instead of BM25's",
+    )
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -250,5 +303,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         device=args.device,
         out_json=args.out,
         progress=args.progress,
+        rerank=args.rerank,
+        rerank_negatives=args.rerank_negatives,
+        candidates=args.candidates,
     )
     return 0
