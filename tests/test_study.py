@@ -307,3 +307,27 @@ def test_report_only_collects_finished_cells_without_running_anything(tmp_path):
         "| beir | bert | retromae | zero_shot | cls | 1 |"
         in (tmp_path / "out" / "study.md").read_text()
     )
+
+
+def test_reranking_measures_get_columns_and_verdicts(tmp_path):
+    rows = [
+        {**_row(o, "zero_shot", s, x + 0.01 * s, start="bert"), "task": "csl"}
+        for o, x in (("mlm", 0.02), ("retromae", 0.2)) for s in range(3)
+    ]  # fmt: skip
+    for r, rr in zip(rows, [0.30, 0.31, 0.29, 0.50, 0.52, 0.51], strict=True):
+        r["metrics"] |= {"rerank_map": rr, "rerank_mrr@10": rr - 0.01}
+    agg = aggregate(rows)
+    text = table(agg)
+    assert "| rerank MAP | rerank MRR@10 |" in text.splitlines()[0]
+    assert "| csl | bert | retromae | zero_shot | cls | 3 | 0.2100 ± 0.0100 |" in text
+    assert "0.5100 ± 0.0100 | 0.5000 ± 0.0100 |" in text
+    lines = verdicts(agg)
+    assert "csl, bert, zero_shot: retromae 0.5100 vs mlm 0.3000 rerank MAP (1.7×): higher " \
+        "(paper: retromae > mlm)" in lines  # fmt: skip
+    # rows without reranking measures (other tasks, BM25) show a dash, not a failure
+    bm25 = {"task": "csl", "start": "lexical", "objective": "bm25", "seed": 0,
+            "stage": "zero_shot", "pooling": "-",
+            "metrics": {"ndcg@10": 0.99, "mrr@10": 0.98, "recall@100": 1.0}}  # fmt: skip
+    assert "| csl | — | BM25 | — | — | — | 0.9900 | 0.9800 | 1.0000 | — | — |" in table(
+        aggregate([bm25, *rows])
+    )
