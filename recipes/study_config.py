@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.report import OBJECTIVES, STAGES
+from retromae_ds.data.segment import SEGMENTERS
 
 STARTS = ("scratch", "minilm", "bert")
 DATA_ENV = "RETROMAE_DS_DATA"
@@ -148,7 +149,7 @@ class StudyConfig:
         ]
         bad += [p for p in self.precision.values() if p not in ("fp32", "bf16")]
         bad += [] if self.device in ("cpu", "auto") else [self.device]
-        bad += [] if self.segmenter in ("none", "jieba", "auto") else [self.segmenter]
+        bad += [] if self.segmenter in SEGMENTERS else [self.segmenter]
         if bad:
             raise ValueError(f"unknown study settings: {bad}")
         for name in ("pretrain_steps", "pretrain_batch", "pretrain_lr", "precision",

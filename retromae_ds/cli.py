@@ -31,6 +31,8 @@ def parse_size(text: str) -> int:
 
 
 def add_preprocess_args(p: argparse.ArgumentParser) -> None:
+    from retromae_ds.data.segment import SEGMENTERS
+
     p.add_argument(
         "inputs",
         nargs="*",
@@ -60,7 +62,7 @@ def add_preprocess_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--segmenter",
-        choices=("none", "jieba", "auto"),
+        choices=SEGMENTERS,
         default="none",
         help="whole-word masking of Chinese: word starts from jieba's words (auto: when the "
         "inputs hold Han characters); needs the 'chinese' extra",

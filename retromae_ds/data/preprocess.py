@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from retromae_ds import faults
 from retromae_ds.data import schema
-from retromae_ds.data.segment import Segmenter, SegmenterSpec
+from retromae_ds.data.segment import SEGMENTERS, Segmenter, SegmenterSpec
 from retromae_ds.data.segment import identity as segmenter_identity
 from retromae_ds.data.segment import resolve as resolve_segmenter
 from retromae_ds.data.sources import (
@@ -110,8 +110,8 @@ class PreprocessConfig:
     source: SourceOptions = field(default_factory=SourceOptions)
 
     def __post_init__(self) -> None:
-        if self.segmenter not in ("none", "jieba", "auto"):
-            raise ValueError(f"segmenter must be 'none', 'jieba' or 'auto', not {self.segmenter!r}")
+        if self.segmenter not in SEGMENTERS:
+            raise ValueError(f"segmenter must be one of {SEGMENTERS}, not {self.segmenter!r}")
         if self.on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
         if self.workers < 1:
