@@ -245,8 +245,9 @@ def chinese_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
         stages=["zero_shot"],
         seeds=[0, 1, 2],
         eval_max_length=256,
-        pretrain_steps={"bert": 500},
-        pretrain_lr={"bert": 1e-3},
+        # scratch: ``--starts scratch --objectives none`` is the random-init reference
+        pretrain_steps={"scratch": 500, "bert": 500},
+        pretrain_lr={"scratch": 1e-3, "bert": 1e-3},
         curve_every={"bert": 100},
     )
     return StudyConfig(out=out, data=data, **{**settings, **overrides})
