@@ -1,8 +1,9 @@
 """The study: do RetroMAE / SEED-Encoder pre-training give better retrieval encoders than MLM
 pre-training at the same budget? A miniature of the papers' central claims on real data.
 
-Protocol (``python scripts/study.py [--quick | --gpu] --data DIR --out runs/study``; ``DIR``
-holds ``wikitext2/wiki.test.raw`` and ``scifact/``, default ``$RETROMAE_DS_DATA``):
+Protocol (``python scripts/study.py [--quick | --bert | --chinese | --gpu] --data DIR --out
+runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--chinese``:
+``csl/`` and ``chinese/vocab.txt``), default ``$RETROMAE_DS_DATA``):
 
 - pre-training corpus: WikiText-2 (one document per line) + the SciFact corpus text (or any
   ``--pretrain-inputs``);
