@@ -641,6 +641,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", nargs="+", default=None)
     p.add_argument("--seeds", type=int, nargs="+", default=None)
     p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pre-training steps of every start's objectives (not the bert start's MLM base)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="write the report of the cells finished so far; train and evaluate nothing",
@@ -666,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = gpu_config(args.out, data, **overrides)
     else:
         cfg = StudyConfig(out=args.out, data=data, **overrides)
+    if args.pretrain_steps is not None:
+        cfg.pretrain_steps = {start: args.pretrain_steps for start in cfg.pretrain_steps}
     study = Study(cfg)
     t0 = time.perf_counter()
     rows = study.finished() if args.report_only else study.run()

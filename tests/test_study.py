@@ -215,12 +215,16 @@ def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsy
     with pytest.raises(Stop):
         recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
     with pytest.raises(Stop):
-        recipes.study.main(["--data", str(tmp_path / "flag"), "--seeds", "4"])
+        recipes.study.main(
+            ["--data", str(tmp_path / "flag"), "--seeds", "4", "--pretrain-steps", "7"]
+        )
     with pytest.raises(Stop):
         recipes.study.main(["--pretrain-inputs", "a.txt", "--finetune-beir", "b"])
     env, flag, inputs = seen
     assert env.data == str(tmp_path / "env") and env.starts == ["scratch"]  # --quick
     assert flag.data == str(tmp_path / "flag") and flag.seeds == [4]
+    assert flag.pretrain_steps == {"scratch": 7, "minilm": 7, "bert": 7}
+    assert flag.base_steps == StudyConfig(data="x").base_steps  # the base keeps its budget
     assert inputs.pretrain_inputs == ["a.txt"] and inputs.finetune_beir == "b"
 
 
