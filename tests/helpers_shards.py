@@ -143,6 +143,7 @@ def write_manifest(
         "max_length": max_length,
         "max_tokens_per_row": max_length - 2,
         "packed": packed,
+        "segmenter": None,
         "counts": {**counts, "empty_documents": 0, "rejected": 0},
         "shards": entries,
     }
