@@ -116,3 +116,24 @@ def test_candidates_file_and_its_errors(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_candidates(path, data)
+
+
+def test_eval_job_reranks_from_a_candidates_file(tmp_path):
+    """``evaluate_beir(..., candidates=FILE)`` (``retromae-ds eval --candidates``) reports
+    the same reranking figures as ``evaluate_rerank`` on the same embeddings."""
+    from retromae_ds.eval.run import evaluate_beir
+
+    data = _data()
+    table = dict(zip(data.corpus_texts + data.query_texts, [*CORPUS, *QUERIES], strict=True))
+
+    def encoder(texts):
+        return np.stack([table[t] for t in texts])
+
+    path = tmp_path / "cands.jsonl"
+    path.write_text("".join(json.dumps({"query_id": q, **v}) + "\n" for q, v in CANDIDATES.items()))
+    result = evaluate_beir(
+        encoder, data, candidates=path, verbose=False, ignore_identical_ids=False
+    )
+    expected, _ = evaluate_rerank(data, CANDIDATES, QUERIES, CORPUS)
+    assert result["rerank"]["metrics"] == pytest.approx(expected)
+    assert result["rerank"]["candidates"] == str(path) and result["rerank"]["num_queries"] == 3
