@@ -199,7 +199,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from retromae_ds.export import export_encoder
 
-    out = export_encoder(args.checkpoint, args.out, pooling=args.pooling, overwrite=args.overwrite)
+    out = export_encoder(
+        args.checkpoint,
+        args.out,
+        pooling=args.pooling,
+        normalize=args.normalize,
+        overwrite=args.overwrite,
+    )
     print(f"export: encoder -> {out}")
     return 0
 
@@ -244,7 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="encoder of a checkpoint -> Hugging Face folder")
     p.add_argument("checkpoint", help="a complete checkpoint folder, or a run folder")
     p.add_argument("out")
-    p.add_argument("--pooling", choices=("cls", "mean"), default="cls")
+    p.add_argument(
+        "--pooling",
+        choices=("auto", "cls", "mean"),
+        default="auto",
+        help="sentence embedding (default: the encoder's own, else cls)",
+    )
+    p.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalise embeddings (default: the encoder's own, else no)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

@@ -239,13 +239,15 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     ``deepspeed.zero.GatheredParameters`` (read-only, ``modifier_rank=None``: no broadcast on
     exit), so at most one layer is whole on each rank at a time, and rank 0 copies it to CPU.
     This is what the private ``engine._zero3_consolidated_16bit_state_dict()`` does, with the
-    same result: the same keys as ``module.state_dict()`` (persistent buffers included), the
-    parameters' own dtype (bf16 under bf16), and tied weights as one shared tensor.
+    same result: the same keys as ``module.state_dict()`` (persistent buffers included) and
+    tied weights as one shared tensor; but a bf16 run's parameters are its fp32 master weights
+    (``_master_weights``), not their bf16 copies.
     """
     rank = torch.distributed.get_rank()
+    master = _master_weights(engine)  # collective: before any rank returns
     if not engine.zero_optimization_partition_weights():
         state = engine.module.state_dict()
-        return state if rank == 0 else None
+        return _with_master(state, master) if rank == 0 else None
     import deepspeed
 
     # the keys and their order come from state_dict() itself (partitioned parameters are empty
@@ -272,4 +274,42 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
             for name, buf in module.named_buffers(recurse=False, remove_duplicate=False):
                 if prefix + name in wanted:  # buffers are never partitioned
                     state[prefix + name] = buf.detach().to("cpu", copy=True)
-    return {key: state[key] for key in keys} if rank == 0 else None
+    return _with_master({key: state[key] for key in keys}, master) if rank == 0 else None
+
+
+def _master_weights(engine) -> dict[str, torch.Tensor]:
+    """The fp32 master copies of a bf16 / fp16 run's parameters (DeepSpeed's public
+    ``safe_get_full_fp32_param``: ZeRO 1-3 and the bf16 optimizer), on CPU; empty for an fp32
+    run. Every rank must call it (it gathers the optimizer's partitions)."""
+    params = list(engine.module.named_parameters())
+    if not any(p.dtype in (torch.bfloat16, torch.float16) for _, p in params):
+        return {}
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in params:
+        full = safe_get_full_fp32_param(param)
+        if full is not None:
+            out[name] = full.detach().to("cpu", torch.float32, copy=True)
+    return out
+
+
+def _with_master(
+    state: dict[str, torch.Tensor], master: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state`` with each parameter replaced by its fp32 master copy (a tied weight under
+    every key that shares it), so saved models keep the precision training updates in rather
+    than the bf16 copy the forward pass uses."""
+    if not master:
+        return state
+    keys_of: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for key, tensor in state.items():
+        keys_of.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(key)
+    out = dict(state)
+    for name, full in master.items():
+        tensor = state.get(name)
+        if tensor is None:
+            continue
+        for key in keys_of[(tensor.data_ptr(), tuple(tensor.shape))]:
+            out[key] = full
+    return out

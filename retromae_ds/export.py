@@ -2,10 +2,13 @@
 
 ``retromae-ds export CKPT OUT``: CKPT is a complete checkpoint folder or a run folder (its
 newest complete checkpoint is used). OUT gets the encoder body (safetensors), its config and
-tokenizer, loadable with ``AutoModel.from_pretrained``, plus the sentence-transformers files
-for CLS pooling, so ``SentenceTransformer(OUT)`` gives the training-time sentence embedding
-(the last-layer hidden state at position 0). The MLM head is left out; the complete masked-LM
-model (for continued pre-training) stays in the checkpoint's ``encoder/`` folder.
+tokenizer, loadable with ``AutoModel.from_pretrained``, plus the sentence-transformers files,
+so ``SentenceTransformer(OUT)`` gives the training-time sentence embedding: the encoder's own
+pooling, normalisation and length (``retromae_ds.sbert``: a fine-tuned encoder's
+``dual_encoder.json``, else its sentence-transformers files, else CLS pooling -- the last-layer
+hidden state at position 0 -- unnormalised), or ``--pooling`` / ``--normalize`` given. The
+MLM head is left out; the complete masked-LM model (for continued pre-training) stays in the
+checkpoint's ``encoder/`` folder.
 
 OUT also gets ``export.json`` (the source checkpoint and its step), which marks it as an
 export: only such a folder, an empty one or a missing path is replaced; any other non-empty
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 from retromae_ds import checkpoint as ckpt
+from retromae_ds import sbert
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_pretrained, load_tokenizer_checked, quiet_transformers
 from retromae_ds.layout import COMPLETE, ENCODER, RunLayout
@@ -75,7 +79,12 @@ def _run_entry(folder: Path) -> Path | None:
 
 
 def export_encoder(
-    checkpoint: str | Path, out: str | Path, pooling: str = "cls", *, overwrite: bool = False
+    checkpoint: str | Path,
+    out: str | Path,
+    pooling: str = "auto",
+    *,
+    normalize: bool | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the encoder of ``checkpoint`` to ``out`` (atomically: staged, then renamed).
 
@@ -83,8 +92,8 @@ def export_encoder(
     non-empty folder is replaced only with ``overwrite``; a run, a checkpoint or a folder that
     is, holds or lies inside the source never is (``ValueError``, nothing deleted).
     """
-    if pooling not in ("cls", "mean"):
-        raise ValueError(f"pooling must be 'cls' or 'mean', not {pooling!r}")
+    if pooling not in ("auto", "cls", "mean"):
+        raise ValueError(f"pooling must be auto, cls or mean, not {pooling!r}")
     resolved = ckpt.resolve_checkpoint(checkpoint)
     ckpt.verify(resolved, under=f"{ENCODER}/")  # a corrupt encoder is an error naming the file
     newer = [
@@ -104,10 +113,11 @@ def export_encoder(
     out = Path(out)
     check_export_target(out, [Path(checkpoint), resolved], overwrite)
     tokenizer = load_tokenizer_checked(source)
+    spec = sbert.resolve(source, pooling, normalize)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = _fresh_sibling(out, ".partial")
     try:
-        _write_export(staging, source, resolved, pooling, tokenizer)
+        _write_export(staging, source, resolved, spec, tokenizer)
         chmod_tree_as_created(staging)  # readable by a serving job under another user
         _replace(staging, out)
     except BaseException:
@@ -149,7 +159,9 @@ def _checkpoint_step(checkpoint: Path) -> int | None:
     return step if isinstance(step, int) else None
 
 
-def _write_export(staging: Path, source: Path, resolved: Path, pooling: str, tokenizer) -> None:
+def _write_export(
+    staging: Path, source: Path, resolved: Path, spec: sbert.EmbeddingSpec, tokenizer
+) -> None:
     """The export's files into ``staging``: body, tokenizer, sentence-transformers files and
     the ``export.json`` marker."""
     from transformers import AutoModel, AutoModelForMaskedLM
@@ -163,37 +175,19 @@ def _write_export(staging: Path, source: Path, resolved: Path, pooling: str, tok
             raise RuntimeError(f"encoder body mismatch: missing {missing}, unexpected {unexpected}")
         body.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
-    write_sentence_transformers_files(
-        staging, mlm.config.hidden_size, pooling, mlm.config.max_position_embeddings
+    if (source / sbert.DUAL_ENCODER_FILE).is_file():  # a fine-tuned encoder's own record
+        shutil.copy2(source / sbert.DUAL_ENCODER_FILE, staging / sbert.DUAL_ENCODER_FILE)
+    sbert.write_files(
+        staging,
+        mlm.config.hidden_size,
+        spec.pooling,
+        spec.max_length or mlm.config.max_position_embeddings,
+        normalize=spec.normalize,
     )
     marker = {
         "source": str(resolved.resolve()),
         "step": _checkpoint_step(resolved),
-        "pooling": pooling,
+        "pooling": spec.pooling,
+        "normalize": spec.normalize,
     }
     (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-
-
-def write_sentence_transformers_files(folder: Path, dim: int, pooling: str, max_len: int) -> None:
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
-    (folder / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": max_len, "do_lower_case": False}, indent=2)
-    )
-    pool = {
-        "word_embedding_dimension": dim,
-        "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-    }
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool, indent=2))

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from retromae_ds import engine as eng
+from retromae_ds import sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import publish_bm25
@@ -72,21 +73,33 @@ class FinetuneDataConfig:
 class DualModelConfig:
     init: str = ""
     """A local Hugging Face encoder folder, a complete checkpoint, or a run folder."""
-    pooling: str = "cls"
-    """cls (RetroMAE's sentence embedding) or mean."""
-    normalize: bool = False
-    """L2-normalise embeddings (cosine similarity)."""
-    temperature: float = 1.0
-    """Scores are divided by it (use ~0.05 with normalize)."""
+    pooling: str = "auto"
+    """auto (the init's own: its sentence-transformers files, else cls), cls (RetroMAE's
+    sentence embedding) or mean."""
+    normalize: bool | None = None
+    """L2-normalise embeddings (cosine similarity); none: the init's own (else false)."""
+    temperature: float | None = None
+    """Scores are divided by it; none: 0.05 with normalised embeddings, else 1."""
     shared: bool = True
     """One encoder for queries and passages; false trains a separate query tower."""
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.pooling not in ("cls", "mean"):
-            raise ValueError(f"model.pooling must be cls or mean, not {self.pooling!r}")
-        if self.temperature <= 0:
+        if self.pooling not in ("auto", "cls", "mean"):
+            raise ValueError(f"model.pooling must be auto, cls or mean, not {self.pooling!r}")
+        if self.temperature is not None and self.temperature <= 0:
             raise ValueError("model.temperature must be > 0")
+
+    def resolve(self, init_dir: Path) -> tuple[sbert.EmbeddingSpec, float]:
+        """(the embedding settings to train with, the temperature): explicit settings over
+        the init's own (``retromae_ds.sbert``)."""
+        spec = sbert.resolve(init_dir, self.pooling, self.normalize)
+        temperature = self.temperature or (NORMALIZED_TEMPERATURE if spec.normalize else 1.0)
+        return spec, temperature
+
+
+NORMALIZED_TEMPERATURE = 0.05
+"""Contrastive temperature for cosine scores (sentence-transformers' scale 20, SimCSE, E5)."""
 
 
 @dataclass(kw_only=True)
@@ -372,6 +385,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
 
+    spec, temperature = cfg.model.resolve(init_dir)
     encoder = load_body(init_dir)
     query_encoder = None if cfg.model.shared else load_body(init_dir)
     for tower in (encoder, query_encoder):
@@ -380,10 +394,18 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     model = DualEncoder(
         encoder,
         query_encoder,
-        pooling=cfg.model.pooling,
-        normalize=cfg.model.normalize,
-        temperature=cfg.model.temperature,
+        pooling=spec.pooling,
+        normalize=spec.normalize,
+        temperature=temperature,
     )
+    # what a user of the saved encoder should read texts up to: the init's own length when it
+    # has one (fine-tuning on shorter passages does not shorten what it reads), else the
+    # passage length trained at
+    lengths = {
+        "q_max_len": cfg.data.q_max_len,
+        "p_max_len": cfg.data.p_max_len,
+        "max_seq_length": max(cfg.data.p_max_len, spec.max_length or 0),
+    }
     sampler = ResumableDistributedSampler(ts.num_queries, dist.world_size, dist.rank, seed=cfg.seed)
     batch_size = cfg.micro_batch_size
     if len(sampler) < batch_size:
@@ -415,6 +437,10 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
         f"negatives v{version}" + (f", resumed at step {restored.step}" if restored else "")
     )
+    trainer.note(
+        f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
+        f"(pooling from {spec.source}), temperature {temperature:g}"
+    )
     if start_problem is not None:
         trainer.note(f"finetune: {start_problem}")
 
@@ -426,7 +452,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             yield build(queries, sampler.epoch, negatives.current)
 
     def write_models(state: dict[str, torch.Tensor], staging: Path) -> None:
-        save_encoders(model, state, staging, init_dir)
+        save_encoders(model, state, staging, init_dir, lengths)
 
     hooks = Hooks(
         write_models=write_models,

@@ -1,9 +1,10 @@
 """The dual encoder: query and passage towers (one shared Hugging Face encoder by default),
 pooled sentence embeddings, and the contrastive loss with gathered in-batch negatives.
 
-``save_encoders`` writes the towers as Hugging Face folders (with the tokenizer,
-sentence-transformers pooling files and ``dual_encoder.json`` naming the pooling), which is
-what the refresher and ``retromae-ds eval`` load.
+``save_encoders`` writes the towers as Hugging Face folders (with the tokenizer, the
+sentence-transformers files and ``dual_encoder.json`` naming the pooling, normalisation,
+temperature and the query/passage lengths it was trained at), which is what the refresher,
+``retromae-ds eval`` and ``export`` read (``retromae_ds.sbert``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from retromae_ds import sbert
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.eval.encode import pool
 from retromae_ds.layout import ENCODER, QUERY_ENCODER
-
-SETTINGS_FILE = "dual_encoder.json"
 
 
 def load_body(folder: str | Path) -> nn.Module:
@@ -78,13 +78,18 @@ class DualEncoder(nn.Module):
 
 
 def save_encoders(
-    model: DualEncoder, state: dict[str, torch.Tensor], folder: Path, tokenizer_dir: str | Path
+    model: DualEncoder,
+    state: dict[str, torch.Tensor],
+    folder: Path,
+    tokenizer_dir: str | Path,
+    lengths: dict[str, int],
 ) -> None:
     """Write ``folder/encoder`` (and ``folder/query_encoder`` when the towers differ) from a
-    full state dict of ``model`` (e.g. DeepSpeed's consolidated one)."""
+    full state dict of ``model`` (e.g. DeepSpeed's consolidated one). ``lengths``:
+    ``q_max_len``, ``p_max_len`` (recorded in ``dual_encoder.json``) and ``max_seq_length``
+    (what sentence-transformers reads texts up to)."""
     from transformers import AutoTokenizer
 
-    from retromae_ds.export import write_sentence_transformers_files
     from retromae_ds.hfutil import quiet_transformers
 
     with quiet_transformers():
@@ -98,16 +103,32 @@ def save_encoders(
         }
         out = folder / sub_folder
         tower.save_pretrained(str(out), state_dict=sub, safe_serialization=True)
+        _record_dtype(out / "config.json", sub)
         tokenizer.save_pretrained(str(out))
-        write_sentence_transformers_files(
-            out, tower.config.hidden_size, model.pooling, tower.config.max_position_embeddings
+        sbert.write_files(
+            out,
+            tower.config.hidden_size,
+            model.pooling,
+            lengths["max_seq_length"],
+            normalize=model.normalize,
         )
-        (out / SETTINGS_FILE).write_text(json.dumps(model.settings(), indent=2))
+        settings = {
+            **model.settings(),
+            "q_max_len": lengths["q_max_len"],
+            "p_max_len": lengths["p_max_len"],
+        }
+        (out / sbert.DUAL_ENCODER_FILE).write_text(json.dumps(settings, indent=2))
 
 
-def load_settings(encoder_dir: str | Path) -> dict[str, Any]:
-    """Pooling and normalisation saved with a fine-tuned encoder (defaults: CLS, raw)."""
-    path = Path(encoder_dir) / SETTINGS_FILE
-    if path.is_file():
-        return json.loads(path.read_text())
-    return {"pooling": "cls", "normalize": False, "shared": True}
+def _record_dtype(config_file: Path, state: dict[str, torch.Tensor]) -> None:
+    """Make ``config.json`` name the dtype of the weights written (a bf16 run's tower is
+    bf16 while its saved weights are the fp32 master copies), so loaders do not cast them
+    down."""
+    dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}
+    if len(dtypes) != 1:
+        return
+    config = json.loads(config_file.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = next(iter(dtypes))
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -39,11 +39,11 @@ import torch
 from tqdm.auto import tqdm
 
 from retromae_ds import checkpoint as ckpt
-from retromae_ds import faults
+from retromae_ds import faults, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.ance.mining import mine
-from retromae_ds.ance.model import load_body, load_settings
+from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine, positive_scores
+from retromae_ds.ance.model import load_body
 from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
@@ -171,7 +171,7 @@ def refresh_once(
     t0 = time.perf_counter()
     device = _pick_device(cfg, group.local_rank)
     encoder_dir = checkpoint / ENCODER
-    settings = load_settings(encoder_dir)
+    spec = sbert.read_spec(encoder_dir)
     passage_model = load_body(encoder_dir).to(device)
     query_dir = checkpoint / QUERY_ENCODER
     query_model = load_body(query_dir).to(device) if query_dir.is_dir() else passage_model
@@ -179,8 +179,8 @@ def refresh_once(
     amp = torch.bfloat16 if use_bf16 else None
     timings["load_s"] = time.perf_counter() - t0
     common = dict(
-        pooling=settings["pooling"],
-        normalize=settings["normalize"],
+        pooling=spec.pooling,
+        normalize=spec.normalize,
         batch_size=cfg.batch_size,
         amp_dtype=amp,
         progress=cfg.progress,
@@ -246,8 +246,9 @@ def refresh_once(
         ids_parts.append(np.where(ix >= 0, ix + lo, -1))
     scores = np.concatenate(scores_parts) if scores_parts else np.zeros((0, k), np.float32)
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, k), np.int64)
+    pos_scores = positive_scores(queries, passages, lo, ts.positives)
     del index, passages
-    np.savez(work / f".topk_rank{group.rank:05d}.npz", scores=scores, ids=ids)
+    np.savez(work / f".topk_rank{group.rank:05d}.npz", scores=scores, ids=ids, positives=pos_scores)
     os.replace(work / f".topk_rank{group.rank:05d}.npz", work / f"topk_rank{group.rank:05d}.npz")
     timings["search_s"] = time.perf_counter() - t0
     group.barrier()
@@ -260,6 +261,20 @@ def refresh_once(
             merged_scores, merged_ids = merge_topk(
                 merged_scores, merged_ids, part["scores"], part["ids"], cfg.top_k
             )
+            pos_scores = np.fmin(pos_scores, part["positives"])  # each pair on one rank
+        filtered = None
+        if cfg.max_score_ratio > 0:
+            merged_ids, dropped = drop_likely_positives(
+                merged_ids,
+                merged_scores,
+                min_per_query(pos_scores, ts.positives),
+                cfg.max_score_ratio,
+            )
+            filtered = {
+                "dropped": int(dropped.sum()),
+                "queries_with_drops": int((dropped > 0).sum()),
+                "mean_per_query": round(float(dropped.mean()), 3),
+            }
         negatives = mine(
             merged_ids,
             ts.positives,
@@ -282,6 +297,7 @@ def refresh_once(
                 "checkpoint": checkpoint.name,
                 "data": ts.fingerprint(),
                 "settings": mining_settings(cfg),
+                "false_negative_filter": filtered,
                 "ranks": group.world,
                 "timings": rounded,
             },
@@ -289,7 +305,8 @@ def refresh_once(
         )
         manifest = json.loads(handoff.manifest_file(root, version).read_text())
         with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"version": version, "step": step, **rounded}) + "\n")
+            dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
+            f.write(json.dumps({"version": version, "step": step, **rounded, **dropped}) + "\n")
         shutil.rmtree(work, ignore_errors=True)
         print(f"refresh: published v{version} (step {step}) {rounded}", file=sys.stderr, flush=True)
     group.barrier()

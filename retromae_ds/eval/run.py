@@ -7,7 +7,7 @@ prints a small table and optionally writes everything (means, per-query values, 
 timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
-    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling cls|mean] [--normalize]
+    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean] [--normalize]
                      [--rerank [--rerank-negatives N | --candidates FILE]]
 
 ``--rerank`` also ranks each query's candidate list with the same embeddings and reports MAP
@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from retromae_ds import sbert
+from retromae_ds.checkpoint import resolve_encoder
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
 from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
@@ -38,6 +40,9 @@ from retromae_ds.eval.rerank import (
 )
 from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.index import Backend, ExactIndex, Metric
+
+DEFAULT_MAX_LENGTH = 512
+"""Tokens per text for a model that records no length of its own."""
 
 
 def retrieve(
@@ -118,9 +123,9 @@ def evaluate_beir(
     *,
     query_encoder: Encoder | None = None,
     measures: Sequence[str] = DEFAULT_MEASURES,
-    pooling: str = "cls",
-    normalize: bool = False,
-    max_length: int = 512,
+    pooling: str = "auto",
+    normalize: bool | None = None,
+    max_length: int | None = None,
     batch_size: int = 64,
     device: str = "auto",
     amp_dtype: torch.dtype | None = None,
@@ -138,9 +143,11 @@ def evaluate_beir(
 
     Args:
         encoder: a Hugging Face model folder (loaded with ``pooling``, ``normalize``,
-            ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``), or
-            any ``list[str] -> [N, D]`` callable (those arguments are then ignored). It encodes
-            the corpus and the queries unless ``query_encoder`` is given for the queries.
+            ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``;
+            ``auto`` / None: the folder's own pooling, normalisation and length, read by
+            ``retromae_ds.sbert``, else CLS, raw, 512), or any ``list[str] -> [N, D]``
+            callable (those arguments are then ignored). It encodes the corpus and the
+            queries unless ``query_encoder`` is given for the queries.
         beir_dir: a BEIR dataset folder, or a ``BeirData`` already loaded (with its split).
         measures: metric names ``name@k``; the search depth is the largest k.
         out_json: write the result there as JSON (atomically).
@@ -170,6 +177,9 @@ def evaluate_beir(
         )
     if isinstance(encoder, (str, Path)):
         model_name = str(encoder)
+        spec = sbert.resolve(resolve_encoder(encoder), pooling, normalize)
+        pooling, normalize = spec.pooling, spec.normalize
+        max_length = max_length or spec.max_length or DEFAULT_MAX_LENGTH
         encoder = HFEncoder.from_dir(
             encoder,
             pooling=pooling,
@@ -264,10 +274,24 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--beir", required=True, help="BEIR dataset folder (corpus/queries/qrels)")
     p.add_argument("--split", default="test", help="qrels split (default: test)")
     p.add_argument(
-        "--pooling", choices=("cls", "mean"), default="cls", help="sentence embedding (default cls)"
+        "--pooling",
+        choices=("auto", "cls", "mean"),
+        default="auto",
+        help="sentence embedding (default: the model's own, read from its sentence-transformers "
+        "files, else cls)",
     )
-    p.add_argument("--normalize", action="store_true", help="L2-normalise embeddings (cosine)")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per text (default 512)")
+    p.add_argument(
+        "--normalize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="L2-normalise embeddings (cosine; default: the model's own, else no)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help=f"tokens per text (default: the model's max_seq_length, else {DEFAULT_MAX_LENGTH})",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:1, ...")

@@ -1,0 +1,175 @@
+"""An encoder folder's sentence-embedding settings: pooling, normalisation, length.
+
+A sentence-transformers model says how it turns hidden states into an embedding in its own
+files: ``modules.json`` (Transformer, then Pooling, then optionally Normalize),
+``1_Pooling/config.json`` (``pooling_mode_cls_token`` / ``pooling_mode_mean_tokens`` / ...)
+and ``sentence_bert_config.json`` (``max_seq_length``). all-MiniLM-L6-v2, for one, is
+mean-pooled, normalised and read up to 256 tokens: fine-tuning or evaluating it with CLS
+pooling throws away what it learnt. ``read_spec(folder)`` reads those files (or the
+``dual_encoder.json`` a fine-tuning run writes beside them, which wins), so fine-tuning,
+evaluation and export default to the encoder's own settings; an explicit setting overrides.
+A folder without any of these files (a pre-training checkpoint of another tool) gets CLS
+pooling without normalisation, RetroMAE's sentence embedding.
+
+A module these encoders cannot reproduce (a Dense projection, max or last-token pooling) is
+a ``ValueError`` naming the file and the field: silently dropping it would give embeddings
+that differ from the model's.
+
+``write_files`` writes the same files for an encoder this tool saves, so sentence-transformers
+loads it with its pooling, normalisation and length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DUAL_ENCODER_FILE = "dual_encoder.json"
+MODULES_FILE = "modules.json"
+POOLING_DIR = "1_Pooling"
+NORMALIZE_DIR = "2_Normalize"
+LENGTH_FILE = "sentence_bert_config.json"
+
+_MODULE = "sentence_transformers.models."
+_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"}
+_UNSUPPORTED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+    "pooling_mode_lasttoken",
+)
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    pooling: str
+    """cls or mean."""
+    normalize: bool
+    max_length: int | None
+    """Tokens per text the encoder was made to read (None: not recorded)."""
+    source: str
+    """Where the pooling was read: a file, or ``default``."""
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from None
+
+
+def _max_length(folder: Path) -> int | None:
+    path = folder / LENGTH_FILE
+    if not path.is_file():
+        return None
+    value = _read_json(path).get("max_seq_length")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ValueError(f"{path}: max_seq_length must be an integer >= 2, not {value!r}")
+    return value
+
+
+def _pooling_mode(path: Path) -> str:
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    used = [name for name in _UNSUPPORTED_MODES if config.get(name)]
+    if used:
+        raise ValueError(f"{path}: {used[0]} is not supported (only CLS or mean pooling)")
+    modes = [mode for name, mode in _MODES.items() if config.get(name)]
+    if len(modes) != 1:
+        raise ValueError(
+            f"{path}: exactly one of pooling_mode_cls_token / pooling_mode_mean_tokens must "
+            f"be true (found {len(modes)})"
+        )
+    return modes[0]
+
+
+def _from_modules(folder: Path) -> tuple[str, bool, str]:
+    """(pooling, normalize, source file) from ``modules.json`` and the Pooling config."""
+    path = folder / MODULES_FILE
+    modules = _read_json(path)
+    if not isinstance(modules, list):
+        raise ValueError(f"{path}: expected a JSON list of modules")
+    pooling, normalize, source = None, False, str(path)
+    for i, module in enumerate(modules):
+        kind = str(module.get("type", "")) if isinstance(module, dict) else ""
+        name = kind.removeprefix(_MODULE)
+        if name == "Transformer":
+            continue
+        if name == "Pooling":
+            pooling_file = folder / str(module.get("path", POOLING_DIR)) / "config.json"
+            pooling, source = _pooling_mode(pooling_file), str(pooling_file)
+        elif name == "Normalize":
+            normalize = True
+        else:
+            raise ValueError(
+                f"{path}: module {i} ({kind or module!r}) is not supported "
+                "(only Transformer, Pooling and Normalize)"
+            )
+    if pooling is None:
+        raise ValueError(f"{path}: no sentence_transformers.models.Pooling module")
+    return pooling, normalize, source
+
+
+def read_spec(folder: str | Path) -> EmbeddingSpec:
+    """The encoder's own pooling, normalisation and length (see the module docstring)."""
+    folder = Path(folder)
+    length = _max_length(folder)
+    settings_file = folder / DUAL_ENCODER_FILE
+    if settings_file.is_file():
+        settings = _read_json(settings_file)
+        pooling = settings.get("pooling")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"{settings_file}: pooling must be cls or mean, not {pooling!r}")
+        return EmbeddingSpec(pooling, bool(settings.get("normalize")), length, str(settings_file))
+    if (folder / MODULES_FILE).is_file():
+        pooling, normalize, source = _from_modules(folder)
+        return EmbeddingSpec(pooling, normalize, length, source)
+    return EmbeddingSpec("cls", False, length, "default")
+
+
+def resolve(
+    folder: str | Path, pooling: str = "auto", normalize: bool | None = None
+) -> EmbeddingSpec:
+    """``read_spec(folder)`` with the explicit settings put over it (``auto`` / None: the
+    folder's own)."""
+    if pooling not in ("auto", "cls", "mean"):
+        raise ValueError(f"pooling must be auto, cls or mean, not {pooling!r}")
+    spec = read_spec(folder)
+    return EmbeddingSpec(
+        spec.pooling if pooling == "auto" else pooling,
+        spec.normalize if normalize is None else normalize,
+        spec.max_length,
+        spec.source,
+    )
+
+
+def write_files(folder: Path, dim: int, pooling: str, max_length: int, *, normalize: bool) -> None:
+    """``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json`` (and the
+    Normalize module when ``normalize``) into a Hugging Face encoder folder."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": _MODULE + "Transformer"},
+        {"idx": 1, "name": "1", "path": POOLING_DIR, "type": _MODULE + "Pooling"},
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": NORMALIZE_DIR, "type": _MODULE + "Normalize"}
+        )
+        (folder / NORMALIZE_DIR).mkdir(exist_ok=True)
+    (folder / MODULES_FILE).write_text(json.dumps(modules, indent=2))
+    (folder / LENGTH_FILE).write_text(
+        json.dumps({"max_seq_length": max_length, "do_lower_case": False}, indent=2)
+    )
+    (folder / POOLING_DIR).mkdir(exist_ok=True)
+    config = {
+        "word_embedding_dimension": dim,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+    }
+    (folder / POOLING_DIR / "config.json").write_text(json.dumps(config, indent=2))
