@@ -22,7 +22,12 @@ from hypothesis import strategies as st
 from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.ance.mining import mine
+from retromae_ds.ance.mining import (
+    drop_likely_positives,
+    min_per_query,
+    mine,
+    positive_scores,
+)
 from retromae_ds.layout import RunLayout
 
 from helpers_ance import ENV, write_synthetic_beir, write_tiny_encoder
@@ -94,6 +99,64 @@ def test_mined_negatives_never_contain_a_positive(data, num_passages, n, strateg
             first = next((r for r in ranked[q] if r >= 0 and r not in positives[q]), None)
             if first is not None:
                 assert neg[0] == first
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), num_passages=st.integers(3, 40), ratio=st.floats(0.05, 1.0))
+def test_false_negative_filter_removes_what_it_says_and_never_a_positive(data, num_passages, ratio):
+    """Scores from real embeddings: every candidate above ratio x the lowest positive's score
+    is dropped, nothing else; the labelled positives are untouched and never mined."""
+    queries, dim = data.draw(st.integers(1, 6)), 4
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    q_emb, p_emb = rng.normal(size=(queries, dim)), rng.normal(size=(num_passages, dim))
+    positives = [
+        np.asarray(
+            sorted(data.draw(st.sets(st.integers(0, num_passages - 1), min_size=1, max_size=3)))
+        )
+        for _ in range(queries)
+    ]
+    positives = [p[: num_passages - 1] for p in positives]
+    kept_positives = [p.copy() for p in positives]
+    k = data.draw(st.integers(1, num_passages))
+    all_scores = q_emb @ p_emb.T
+    ranked = np.argsort(-all_scores, axis=1)[:, :k]
+    scores = np.take_along_axis(all_scores, ranked, axis=1)
+    # the positives' scores computed in two parts of the corpus, folded as the refresher does
+    cut = data.draw(st.integers(0, num_passages))
+    pairs = np.fmin(
+        positive_scores(q_emb, p_emb[:cut], 0, positives),
+        positive_scores(q_emb, p_emb[cut:], cut, positives),
+    )
+    low = min_per_query(pairs, positives)
+    np.testing.assert_allclose(low, [all_scores[q, p].min() for q, p in enumerate(positives)])
+    filtered, dropped = drop_likely_positives(ranked, scores, low, ratio)
+    for q in range(queries):
+        threshold = low[q] - (1 - ratio) * abs(low[q])
+        above = scores[q] > threshold
+        assert (filtered[q][above] == -1).all() and (filtered[q][~above] == ranked[q][~above]).all()
+        assert dropped[q] == above.sum()
+    out = mine(filtered, positives, 2, seed=1, num_passages=num_passages)
+    for q, neg in enumerate(out):
+        assert not set(neg.tolist()) & set(positives[q].tolist())
+        kept = set(filtered[q][filtered[q] >= 0].tolist()) - set(positives[q].tolist())
+        if len(kept) >= 2:  # enough candidates survived: the negatives come from them
+            assert set(neg.tolist()) <= kept
+    for before, after in zip(kept_positives, positives, strict=True):
+        assert (before == after).all()
+
+
+def test_false_negative_filter_by_hand():
+    ranked = np.array([[4, 2, 7, -1], [1, 3, 5, 6]])
+    scores = np.array([[0.9, 0.8, 0.5, -np.inf], [2.0, 1.0, -0.5, -2.0]])
+    # query 0: positive at 0.85 -> threshold 0.765 at ratio 0.9; query 1: positive at -1.0
+    # -> threshold -1.1: everything above it goes, the -2.0 candidate stays
+    got, dropped = drop_likely_positives(ranked, scores, np.array([0.85, -1.0]), 0.9)
+    assert got.tolist() == [[-1, -1, 7, -1], [-1, -1, -1, 6]]
+    assert dropped.tolist() == [2, 3]
+    same, none = drop_likely_positives(ranked, scores, np.array([np.nan, np.nan]), 0.9)
+    assert (same == ranked).all() and none.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="ratio"):
+        drop_likely_positives(ranked, scores, np.array([0.1, 0.1]), 0.0)
 
 
 def test_top_strategy_skips_the_first_non_positives():
@@ -421,7 +484,7 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir, seed=3)
     fake_checkpoint(one, 4, encoder)
     shutil.copytree(one, two)
-    strategy = ("--strategy", "top", "--max_versions", "1")
+    strategy = ("--strategy", "top", "--max_versions", "1", "--max_score_ratio", "0.97")
     single = subprocess.run(
         _refresh_cmd(one, *strategy), env=ENV, capture_output=True, text=True, timeout=180
     )
@@ -433,6 +496,9 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     a, b = handoff.load_current(one / "negatives"), handoff.load_current(two / "negatives")
     assert (a.version, b.version, b.step) == (1, 1, 4)
     assert (a.manifest["ranks"], b.manifest["ranks"]) == (1, 2)
+    # the positives' scores come from both ranks' parts: the filter drops the same candidates
+    fa, fb = a.manifest["false_negative_filter"], b.manifest["false_negative_filter"]
+    assert fa["dropped"] > 0 and abs(fa["dropped"] - fb["dropped"]) <= 0.05 * fa["dropped"] + 1
     # the same passages mined whether one rank searched everything or two ranks searched
     # their halves and merged (the random tiny encoder makes exact ties, e.g. between equal
     # texts, which the two orders break differently: compare sets, allow a little)

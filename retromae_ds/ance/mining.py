@@ -9,6 +9,14 @@ unlabelled positives), and ``strategy="top"`` takes the next n after ``skip_top`
 with too few candidates is topped up with random passages that are not its positives, so
 every query gets exactly n negatives. Deterministic for a given seed.
 
+False negatives: on a corpus labelled sparsely, the candidates ranked above or near a
+query's positive are often unlabelled positives; trained on as negatives they teach the model
+to push relevant passages away. Two controls: ``skip_top`` (above), and
+``drop_likely_positives``, which removes every candidate scoring above ``ratio`` times the
+score of the query's lowest-scoring labelled positive (NV-Retriever's "TopK-PercPos",
+Moreira et al. 2024; the refresher's ``max_score_ratio``, applied to model-mined versions,
+where the positives' scores come from the same embeddings).
+
 ``bm25_rankings`` gives the initial ranking with BM25 (``eval.lexical``, language-aware); ``publish_bm25`` mines and
 publishes it as the first negatives version of a fine-tuning run.
 """
@@ -68,6 +76,59 @@ def mine(
             )
         out.append(chosen.astype(np.int32))
     return out
+
+
+def drop_likely_positives(
+    ranked_QK: np.ndarray,
+    scores_QK: np.ndarray,
+    positive_score_Q: np.ndarray,
+    ratio: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(ranked with -1 in place of every dropped candidate, count dropped per query)``.
+
+    A candidate is dropped when its score exceeds ``ratio`` times the query's positive score
+    ``p`` (``p - (1 - ratio) * |p|``, the same for ``p > 0`` and meaningful below 0);
+    ``positive_score_Q`` is the lowest score among the query's labelled positives (NaN: not
+    known, nothing dropped). Empty slots (-1) stay empty. Positives themselves are never
+    touched here: ``mine`` removes them from the candidates in any case.
+    """
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    if ranked_QK.shape != scores_QK.shape or len(positive_score_Q) != len(ranked_QK):
+        raise ValueError(
+            f"shapes differ: ranked {ranked_QK.shape}, scores {scores_QK.shape}, "
+            f"positive scores {np.shape(positive_score_Q)}"
+        )
+    pos = np.asarray(positive_score_Q, dtype=np.float64)[:, None]
+    threshold = pos - (1.0 - ratio) * np.abs(pos)
+    drop = (ranked_QK >= 0) & (scores_QK > threshold)  # NaN threshold: never true
+    return np.where(drop, -1, ranked_QK), drop.sum(1)
+
+
+def positive_scores(
+    query_QD: np.ndarray, passages_ND: np.ndarray, offset: int, positives: Sequence[np.ndarray]
+) -> np.ndarray:
+    """Score (inner product) of every (query, positive) pair whose passage lies in
+    ``passages_ND`` (rows ``offset .. offset + N``), NaN for the others; flattened in the
+    order of ``positives`` (query by query). ``min_per_query`` folds parts and queries."""
+    q_idx = np.concatenate([np.full(len(p), q, dtype=np.int64) for q, p in enumerate(positives)])
+    p_idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in positives])
+    out = np.full(len(p_idx), np.nan, dtype=np.float64)
+    here = (p_idx >= offset) & (p_idx < offset + len(passages_ND))
+    rows_q, rows_p = query_QD[q_idx[here]], passages_ND[p_idx[here] - offset]
+    out[here] = np.einsum("nd,nd->n", rows_q.astype(np.float64), rows_p.astype(np.float64))
+    return out
+
+
+def min_per_query(pair_scores: np.ndarray, positives: Sequence[np.ndarray]) -> np.ndarray:
+    """The lowest score among each query's positives (NaN ignored; NaN if none is known)."""
+    counts = np.asarray([len(p) for p in positives], dtype=np.int64)
+    if (counts < 1).any():
+        raise ValueError("every query needs at least one positive")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    filled = np.where(np.isnan(pair_scores), np.inf, pair_scores)
+    low = np.minimum.reduceat(filled, starts)
+    return np.where(np.isinf(low), np.nan, low)
 
 
 def _random_fill(

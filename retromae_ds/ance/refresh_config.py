@@ -27,6 +27,10 @@ class RefreshConfig:
     """``random``: n drawn from the top-K; ``top``: the n best ranked."""
     skip_top: int = 0
     """Skip this many top-ranked non-positives first (likely unlabelled positives)."""
+    max_score_ratio: float = 0.0
+    """Drop candidates scoring above this fraction of the query's (lowest) positive score as
+    likely unlabelled positives, e.g. 0.95 (0: off; model-mined versions only, BM25's v0 uses
+    skip_top alone)."""
     index: str = "auto"
     """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
     batch_size: int = 128
@@ -62,6 +66,10 @@ class RefreshConfig:
             raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
         if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
             raise ValueError("refresh: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
+        if not 0 <= self.max_score_ratio <= 1:
+            raise ValueError(
+                f"refresh.max_score_ratio must be in [0, 1], not {self.max_score_ratio}"
+            )
 
 
 def mining_settings(cfg: RefreshConfig) -> dict[str, Any]:
@@ -71,4 +79,5 @@ def mining_settings(cfg: RefreshConfig) -> dict[str, Any]:
         "num_negatives": cfg.num_negatives,
         "strategy": cfg.strategy,
         "skip_top": cfg.skip_top,
+        "max_score_ratio": cfg.max_score_ratio,
     }
