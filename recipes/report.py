@@ -300,19 +300,22 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
+def compare(a: dict[str, Any], b: dict[str, Any], m: str = "ndcg@10") -> str:
+    """``higher`` / ``lower`` when the means of ``m`` (aggregated rows with ``n`` seeds and
+    ``m_std``) differ by more than two standard errors combined, else ``no clear difference``."""
+    if min(a["n"], b["n"]) < 2:
+        return "one seed, no error estimate: no verdict"
+    diff = a[m] - b[m]
+    se = math.sqrt(a[m + "_std"] ** 2 / a["n"] + b[m + "_std"] ** 2 / b["n"])
+    if abs(diff) <= 2 * se:
+        return "no clear difference"
+    return "higher" if diff > 0 else "lower"
+
+
 def verdicts(agg: list[dict[str, Any]]) -> list[str]:
     """Plain statements of where the result agrees with the papers' orderings (``CLAIMS``),
     using a difference larger than the two standard errors combined as 'clearly'."""
     by_key = {_key(a): a for a in agg}
-
-    def compare(a, b, m: str = "ndcg@10") -> str:
-        if min(a["n"], b["n"]) < 2:
-            return "one seed, no error estimate: no verdict"
-        diff = a[m] - b[m]
-        se = math.sqrt(a[m + "_std"] ** 2 / a["n"] + b[m + "_std"] ** 2 / b["n"])
-        if abs(diff) <= 2 * se:
-            return "no clear difference"
-        return "higher" if diff > 0 else "lower"
 
     def ratio(a, b, m: str) -> str:
         return f" ({a[m] / b[m]:.1f}×)" if b[m] > 0 else ""

