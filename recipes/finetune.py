@@ -84,6 +84,9 @@ class RecipeConfig:
     eval_bf16: bool = True
     """Encode for evaluation and mining under bf16 autocast (benchmarks/bench_eval_bf16.py)."""
     curve_seeds: list[int] = field(default_factory=lambda: [0])
+    curve_max_length: int = 128
+    """Tokens per text for the validation curve (cheaper than the model's own length, which
+    the test figures use)."""
     test_split: str = "test"
     extra_tasks: dict[str, str] = field(default_factory=dict)
     """Other BEIR folders (name -> folder, split test) every encoder is evaluated on: what
@@ -201,9 +204,11 @@ class Recipe:
         _write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
         return layout.root
 
-    def evaluate(self, name: str, model: Path, beir: str | Path, split: str) -> dict[str, Any]:
-        """nDCG@10, MRR@10, Recall@100 of ``model`` (its own pooling and length), cached as
-        ``out/eval/NAME.json``."""
+    def evaluate(
+        self, name: str, model: Path, beir: str | Path, split: str, max_length: int | None = None
+    ) -> dict[str, Any]:
+        """nDCG@10, MRR@10, Recall@100 of ``model`` (its own pooling; its own length unless
+        ``max_length``), cached as ``out/eval/NAME.json``."""
         path = self.out / "eval" / f"{name}.json"
         if path.is_file():
             return json.loads(path.read_text())
@@ -221,6 +226,7 @@ class Recipe:
             self._loaded[key],
             split,
             measures=MEASURES,
+            max_length=max_length,
             device="cpu",
             amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
             progress=False,
@@ -257,7 +263,13 @@ class Recipe:
             step = int(folder.name.split("_")[1])
             if not (folder / "encoder" / "config.json").is_file() or step == 0:
                 continue
-            row = self.evaluate(f"dev_{arm}_s{seed}_step{step}", folder, self.beir, "dev")
+            row = self.evaluate(
+                f"dev_{arm}_s{seed}_step{step}",
+                folder,
+                self.beir,
+                "dev",
+                self.cfg.curve_max_length,
+            )
             version = max((v for s, v in swaps if s <= step), default=0)
             points.append({"step": step, "version": version, "ndcg@10": row["metrics"]["ndcg@10"]})
         return points
@@ -305,7 +317,7 @@ class Recipe:
                 **self.evaluate("init", self.init, self.beir, cfg.test_split),
             },
         ]
-        dev_init = self.evaluate("dev_init", self.init, self.beir, "dev")
+        dev_init = self.evaluate("dev_init", self.init, self.beir, "dev", cfg.curve_max_length)
         extra = {
             name: [self.evaluate(f"{name}_init", self.init, beir, "test")]
             for name, beir in cfg.extra_tasks.items()
@@ -475,7 +487,8 @@ def curve_plot(results: dict[str, Any], path: Path) -> Path | None:
                     xytext=(0, 6),
                 )
     ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("nDCG@10, held-out SciFact train queries")
+    length = results["config"]["curve_max_length"]
+    ax.set_ylabel(f"nDCG@10, held-out train queries ({length} tokens)")
     ax.set_title("validation during fine-tuning (vN: ANCE negatives version in use)")
     ax.legend(fontsize=8)
     return _save(plt, fig, path)

@@ -104,7 +104,7 @@ NORMALIZED_TEMPERATURE = 0.05
 
 @dataclass(kw_only=True)
 class NegativesConfig:
-    n_hard: int = 7
+    n_hard: int = 3
     """Hard negatives per query in each batch (at most refresh.num_negatives are distinct)."""
     refresh_every: int = 50
     """Look for a newer negatives version every M steps."""
@@ -131,7 +131,10 @@ class FinetuneConfig(RunConfig):
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     """Mining settings (also used for the BM25 version) and a local refresher's settings; its
     run_dir is ignored (the refresher serves this run)."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
+    epochs: float = 2.5
+    """Passes over the training queries when max_steps is 0 (the SciFact recipe's 100 steps
+    of 16 queries are 2.4 passes over its 659)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_ratio=0.1))
 
     def __post_init__(self) -> None:
         if not self.data.beir or not self.model.init:
