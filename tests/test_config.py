@@ -196,7 +196,7 @@ def test_help_text_of_the_training_config_fits_the_terminal():
         assert option in text and doc in text.split(option, 1)[1].split("\n  --")[0]
     assert max(len(line) for line in text.splitlines()) <= 100
     # a section's own default instance wins over the class defaults
-    assert "--optim.lr float  (default: 2e-05)" in help_text(FinetuneConfig)
+    assert "--optim.lr float  (default: 3e-05)" in help_text(FinetuneConfig)
 
 
 def test_parse_config_applies_the_file_then_the_command_line(tmp_path, capsys):
