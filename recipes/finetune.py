@@ -319,7 +319,13 @@ class Recipe:
         ]
         dev_init = self.evaluate("dev_init", self.init, self.beir, "dev", cfg.curve_max_length)
         extra = {
-            name: [self.evaluate(f"{name}_init", self.init, beir, "test")]
+            name: [
+                {
+                    "arm": "init",
+                    "seed": None,
+                    **self.evaluate(f"{name}_init", self.init, beir, "test"),
+                }
+            ]
             for name, beir in cfg.extra_tasks.items()
         }
         curves: dict[str, list[dict[str, Any]]] = {}

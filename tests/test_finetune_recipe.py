@@ -60,6 +60,7 @@ def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
         checkpoint_every=2,
         q_max_len=32,
         p_max_len=48,
+        extra_tasks={"unseen": str(beir)},
     )
     text = Recipe(cfg).run("shortened")
     results = json.loads((out / "finetune_results.json").read_text())
@@ -102,6 +103,9 @@ def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
         assert [p["step"] for p in results["curves"][f"{arm}_s0"]] == [2, 4]
     assert (out / "finetune.png").is_file() and (out / "finetune.md").read_text() == text
     assert "ANCE vs BM25 negatives" in text and "python-docs" not in text
+    # every encoder, the init included, on the extra collection
+    assert "unseen (not trained on)" in text
+    assert {r["arm"] for r in results["extra_tasks"]["unseen"]} == {"init", "bm25", "ance"}
 
     # the export loads in sentence-transformers with the pooling and agrees with us
     export = results["export"]
