@@ -33,6 +33,7 @@ from retromae_ds import sbert
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_pretrained, load_tokenizer_checked, quiet_transformers
 from retromae_ds.layout import COMPLETE, ENCODER, RunLayout
+from retromae_ds.modeling.positions import usable_positions
 
 EXPORT_MARKER = "export.json"
 """Written into every export; a folder carrying it may be replaced by a new export."""
@@ -181,7 +182,7 @@ def _write_export(
         staging,
         mlm.config.hidden_size,
         spec.pooling,
-        spec.max_length or mlm.config.max_position_embeddings,
+        spec.max_length or usable_positions(mlm),
         normalize=spec.normalize,
     )
     marker = {

@@ -28,6 +28,7 @@ from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.eval.periodic import EvalConfig
 from retromae_ds.layout import ENCODER, RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
+from retromae_ds.modeling.positions import usable_positions
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
 from retromae_ds.tokens import SpecialIds
 from retromae_ds.training.config import RunConfig
@@ -107,9 +108,10 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
 
     check_vocabulary(cfg.model.encoder, cfg.data.shards, manifest["tokenizer"])
     encoder = build_encoder(cfg.model.encoder, special.vocab_size, special.pad)
-    if encoder.config.max_position_embeddings < max_length:
+    if usable_positions(encoder) < max_length:
         raise ValueError(
-            f"encoder has {encoder.config.max_position_embeddings} positions < max_length {max_length}"
+            f"{cfg.model.encoder.name}: encoder has {usable_positions(encoder)} positions < "
+            f"max_length {max_length}; extend it with --model.encoder.max_positions {max_length}"
         )
     model = PretrainModel(encoder, cfg.model.objective, cfg.masking.decoder_ratio)
     trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
@@ -123,7 +125,10 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
         from retromae_ds.data.tokenizer import load_tokenizer
 
         _write_encoder(model, state, staging / ENCODER)
-        load_tokenizer(tokenizer_dir).save_pretrained(str(staging / ENCODER))
+        tokenizer = load_tokenizer(tokenizer_dir)
+        # the tokenizer's own limit must not truncate what the (extended) encoder can read
+        tokenizer.model_max_length = usable_positions(encoder)
+        tokenizer.save_pretrained(str(staging / ENCODER))
 
     metrics = ("loss", "mlm_loss", "mlm_accuracy") + (
         ("decoder_loss", "decoder_accuracy") if has_decoder else ()

@@ -88,10 +88,7 @@ class HFEncoder:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         # never past what the tokenizer or the position embeddings support
-        limits = [
-            getattr(tokenizer, "model_max_length", None),
-            getattr(getattr(model, "config", None), "max_position_embeddings", None),
-        ]
+        limits = [getattr(tokenizer, "model_max_length", None), _positions(model)]
         self.max_length = min([max_length] + [n for n in limits if isinstance(n, int) and n > 0])
         self.pooling, self.normalize, self.batch_size = pooling, normalize, batch_size
         self.amp_dtype, self.progress = amp_dtype, progress
@@ -185,3 +182,13 @@ def encode_texts(encoder: Encoder, texts: Sequence[str], desc: str = "encode") -
     if not np.isfinite(result).all():
         raise ValueError("encoder returned NaN or infinite values")
     return result
+
+
+def _positions(model: torch.nn.Module) -> int | None:
+    """Usable positions of a BERT-family model (RoBERTa's offset rows excluded), or None."""
+    from retromae_ds.modeling.positions import usable_positions
+
+    try:
+        return usable_positions(model)
+    except TypeError:  # no absolute position table: the config's word, if any
+        return getattr(getattr(model, "config", None), "max_position_embeddings", None)

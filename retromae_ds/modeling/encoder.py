@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from retromae_ds.hfutil import load_pretrained
+from retromae_ds.modeling.positions import extend_positions
 
 PRESETS = {
     # name: (layers, hidden, heads, intermediate)
@@ -33,12 +34,19 @@ class EncoderConfig:
     included: continued pre-training)."""
     max_position_embeddings: int = 512
     """Positions of a from-scratch encoder (>= the shards' max length)."""
+    max_positions: int = 0
+    """Extend a loaded checkpoint to this many positions (tokens per input, specials included):
+    the new absolute position embeddings start as copies of the trained ones
+    (``modeling.positions``; Longformer, BGE-M3). 0: the checkpoint's own. A preset gets
+    max(max_position_embeddings, max_positions)."""
     dropout: float = 0.1
     """Hidden and attention dropout of a from-scratch encoder."""
     gradient_checkpointing: bool = False
     """Recompute encoder activations in the backward pass to save memory."""
 
     def __post_init__(self) -> None:
+        if self.max_positions < 0:
+            raise ValueError(f"model.encoder.max_positions must be >= 0, not {self.max_positions}")
         if self.name not in PRESETS and not Path(self.name).is_dir():
             raise ValueError(
                 f"model.encoder.name: {self.name!r} is neither a preset {sorted(PRESETS)} nor a local folder"
@@ -57,7 +65,7 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
             num_hidden_layers=layers,
             num_attention_heads=heads,
             intermediate_size=inter,
-            max_position_embeddings=cfg.max_position_embeddings,
+            max_position_embeddings=max(cfg.max_position_embeddings, cfg.max_positions),
             hidden_dropout_prob=cfg.dropout,
             attention_probs_dropout_prob=cfg.dropout,
             pad_token_id=pad_id,
@@ -73,6 +81,8 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
                 f"{cfg.name}: model vocabulary {model.config.vocab_size} < tokenizer vocabulary {vocab_size}; "
                 "preprocess the shards with this model's tokenizer"
             )
+        if cfg.max_positions:
+            extend_positions(model, cfg.max_positions)
     if cfg.gradient_checkpointing:
         # transformers >= 5 renamed it; the old name still works there but warns
         enable = (
