@@ -31,6 +31,7 @@ from torch import nn
 from retromae_ds.attention import TwoStreamSpec, WindowSpec
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import encode, mlm_head
+from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
 from retromae_ds.tokens import IGNORE
 
 OBJECTIVES = ("retromae", "seed", "mlm")
@@ -57,6 +58,12 @@ class ObjectiveConfig:
     """SEED-Encoder: previous tokens each decoder position may attend to."""
     strong_decoder: bool = False
     """SEED-Encoder ablation: full causal attention instead of the window."""
+    head: str = "chunked"
+    """Vocabulary loss of the MLM and decoder predictions: ``chunked`` never holds the N×V
+    logits (``modeling.vocab_loss``, same loss and gradients), ``plain`` calls the MLM head
+    on every prediction at once."""
+    head_chunk: int = 0
+    """Predictions per chunk of the chunked head (0: as many as fit 64 MiB of fp32 logits)."""
 
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVES:
@@ -70,6 +77,10 @@ class ObjectiveConfig:
             )
         if self.decoder_layers < 1 or self.window < 1:
             raise ValueError("objective.decoder_layers and objective.window must be >= 1")
+        if self.head not in ("chunked", "plain") or self.head_chunk < 0:
+            raise ValueError(
+                f"objective.head must be chunked or plain (head_chunk >= 0), not {self.head!r}"
+            )
 
 
 class PretrainModel(nn.Module):
@@ -96,6 +107,30 @@ class PretrainModel(nn.Module):
             self.decoder = layer()
         elif objective.name == "seed":
             self.decoder = nn.ModuleList(layer() for _ in range(objective.decoder_layers))
+        self._head_parts = _checked_parts(mlm_head(encoder)) if objective.head == "chunked" else None
+        if self._head_parts is not None:
+            # ZeRO-3 gathers a module's parameters for its own forward only: the projection is
+            # used here, outside the head's forward
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+            for p in (self._head_parts.weight, self._head_parts.bias):
+                if p is not None:
+                    register_external_parameter(self, p)
+
+    def vocab_loss(
+        self, features_NH: torch.Tensor, targets_N: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy of the MLM head's predictions from ``features``, detached accuracy)."""
+        parts = self._head_parts
+        if parts is None:
+            logits = mlm_head(self.encoder)(features_NH)
+            accuracy = (logits.argmax(-1) == targets_N).float().mean().detach()
+            return F.cross_entropy(logits.float(), targets_N), accuracy
+        loss, correct = linear_cross_entropy(
+            parts.transform(features_NH), parts.weight, parts.bias, targets_N,
+            self.objective.head_chunk,
+        )
+        return loss, (correct.float() / max(1, len(targets_N))).detach()
 
     def sentence_embedding(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -103,22 +138,19 @@ class PretrainModel(nn.Module):
         return encode(self.encoder, input_ids, attention_mask)[:, 0]
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        head = mlm_head(self.encoder)
         hidden_BLH = encode(self.encoder, batch["input_ids"], batch["attention_mask"])
         labels = batch["labels"]
         masked = labels != IGNORE
-        mlm_logits = head(hidden_BLH[masked])
-        mlm_targets = labels[masked]
-        mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_targets)
+        mlm_loss, mlm_accuracy = self.vocab_loss(hidden_BLH[masked], labels[masked])
         out = {
             "mlm_loss": mlm_loss.detach(),
-            "mlm_accuracy": (mlm_logits.argmax(-1) == mlm_targets).float().mean().detach(),
+            "mlm_accuracy": mlm_accuracy,
             "mlm_tokens": masked.sum().detach(),
         }
         loss = self.objective.mlm_weight * mlm_loss
         if self.objective.name != "mlm":
             decode = self._decoder_loss if self.objective.name == "retromae" else self._seed_loss
-            dec_loss, dec_accuracy = decode(hidden_BLH, batch, head)
+            dec_loss, dec_accuracy = decode(hidden_BLH, batch)
             out["decoder_loss"] = dec_loss.detach()
             out["decoder_accuracy"] = dec_accuracy
             loss = loss + self.objective.decoder_weight * dec_loss
@@ -126,7 +158,7 @@ class PretrainModel(nn.Module):
         return out
 
     def _decoder_loss(
-        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], head: nn.Module
+        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
         B, L, _ = hidden_BLH.shape
@@ -138,10 +170,10 @@ class PretrainModel(nn.Module):
             batch["word_ids"], batch["lengths"], batch["decoder_seed"], self.decoder_ratio
         )
         dec_BLH = self.decoder(query_BLH, kv_BLH, spec)
-        return _reconstruction(head, dec_BLH, batch["decoder_labels"])
+        return self._reconstruction(dec_BLH, batch["decoder_labels"])
 
     def _seed_loss(
-        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], head: nn.Module
+        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
         original = batch["original_ids"]
@@ -152,16 +184,33 @@ class PretrainModel(nn.Module):
         spec = WindowSpec(batch["lengths"], window)
         for layer in self.decoder:
             x_BLH = layer(x_BLH, x_BLH, spec)
-        return _reconstruction(head, x_BLH, batch["decoder_labels"])
+        return self._reconstruction(x_BLH, batch["decoder_labels"])
 
 
-def _reconstruction(
-    head: nn.Module, dec_BLH: torch.Tensor, targets_BL: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy, detached token accuracy) of the decoder's predictions at the labelled
-    positions."""
-    sel = targets_BL != IGNORE
-    logits = head(dec_BLH[sel])
-    targets = targets_BL[sel]
-    accuracy = (logits.argmax(-1) == targets).float().mean().detach()
-    return F.cross_entropy(logits.float(), targets), accuracy
+    def _reconstruction(
+        self, dec_BLH: torch.Tensor, targets_BL: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy, detached token accuracy) of the decoder's predictions at the
+        labelled positions."""
+        sel = targets_BL != IGNORE
+        return self.vocab_loss(dec_BLH[sel], targets_BL[sel])
+
+
+def _checked_parts(head: nn.Module) -> HeadParts:
+    """The head's transform and projection, checked once to reproduce the head itself."""
+    parts = head_parts(head)
+    if parts is not None:
+        weight = parts.weight
+        x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        x = x.to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            whole = head(x)
+            split = parts.transform(x) @ weight.t()
+            if parts.bias is not None:
+                split = split + parts.bias
+        if whole.shape == split.shape and torch.allclose(whole, split, rtol=1e-3, atol=1e-3):
+            return parts
+    raise ValueError(
+        f"{type(head).__name__}: not a head the chunked vocabulary loss knows "
+        "(transform + linear projection); use --model.objective.head plain"
+    )
