@@ -24,7 +24,7 @@ import torch
 from retromae_ds import engine as eng
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
 from retromae_ds.eval.periodic import EvalConfig
 from retromae_ds.layout import ENCODER, RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
@@ -45,6 +45,13 @@ class DataConfig:
     """Model sequence length; 0 = the shards' max length."""
     num_workers: int = 0
     """DataLoader worker processes (results do not depend on it)."""
+    length_grouping: int = 0
+    """Order each group of this many steps' samples by length (``LengthGroupedSampler``), so
+    a batch of long, uneven documents is not mostly padding; 0: the plain shuffled order."""
+
+    def __post_init__(self) -> None:
+        if self.length_grouping < 0:
+            raise ValueError(f"data.length_grouping must be >= 0, not {self.length_grouping}")
 
 
 @dataclass(kw_only=True)
@@ -92,7 +99,18 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
     collator = PretrainCollator(
         special, cfg.masking, max_length, seed=cfg.seed, decoder=has_decoder
     )
-    sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
+    if cfg.data.length_grouping:
+        sampler = LengthGroupedSampler(
+            len(data),
+            dist.world_size,
+            dist.rank,
+            lengths=data.lengths_of,
+            block=cfg.micro_batch_size * dist.world_size,
+            group_blocks=cfg.data.length_grouping * cfg.grad_accum,
+            seed=cfg.seed,
+        )
+    else:
+        sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
     loader = torch.utils.data.DataLoader(
         IndexedSamples(data),
         batch_size=cfg.micro_batch_size,

@@ -17,7 +17,11 @@ import torch.utils.data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.data.sampler import FeistelPermutation, ResumableDistributedSampler
+from retromae_ds.data.sampler import (
+    FeistelPermutation,
+    LengthGroupedSampler,
+    ResumableDistributedSampler,
+)
 
 MODES = ("pad", "drop", "uneven")
 FAST = settings(max_examples=150, deadline=None)
@@ -374,3 +378,89 @@ def test_resume_through_dataloader(workers_before, workers_after, stop_after):
     resumed.load_state_dict(state)
     after = train(resumed, n, batch_size, workers_after, epochs)
     assert before + after == expected
+
+
+# ------------------------------------------------------------------ length-grouped order
+def _lengths(n: int, seed: int = 0) -> np.ndarray:
+    """Skewed lengths, like documents: most short, a few very long."""
+    return np.minimum(8192, np.random.default_rng(seed).lognormal(6, 1.2, n).astype(np.int64) + 2)
+
+
+def grouped(n, world, rank, mode="pad", *, block=8, group_blocks=4, seed=0, lengths=None):
+    table = _lengths(n) if lengths is None else lengths
+    return LengthGroupedSampler(
+        n, world, rank, lengths=lambda idx: table[idx], block=block,
+        group_blocks=group_blocks, seed=seed, remainder=mode,
+    )
+
+
+@FAST
+@given(n=sizes, world=worlds, mode=modes, seed=seeds, micro=st.integers(1, 5), blocks=st.integers(1, 6))
+def test_length_grouping_keeps_the_coverage_of_every_remainder_mode(n, world, mode, seed, micro, blocks):
+    lists = [list(grouped(n, world, r, mode, block=micro * world, group_blocks=blocks, seed=seed)) for r in range(world)]
+    plain = rank_lists(n, world, mode, seed=seed)
+    assert [len(x) for x in lists] == [len(x) for x in plain]
+    counts = Counter(i for x in lists for i in x)
+    if mode == "uneven":
+        assert sorted(counts) == list(range(n)) and set(counts.values()) == {1}
+    elif mode == "pad":
+        assert set(counts) == set(range(n))
+    else:
+        assert max(counts.values(), default=1) == 1
+
+
+def _padding(batches: list[np.ndarray], lengths: np.ndarray) -> float:
+    """Fraction of a padded batch's tokens that are padding, over all batches."""
+    total = sum(len(b) * lengths[b].max() for b in batches)
+    return 1 - sum(lengths[b].sum() for b in batches) / total
+
+
+def test_each_step_reads_samples_of_similar_length_on_every_rank():
+    n, world, micro = 4000, 2, 8
+    lengths = _lengths(n, 1)
+    steps = {}
+    for name, make in (
+        ("plain", lambda r: ResumableDistributedSampler(n, world, r, seed=3)),
+        ("grouped", lambda r: grouped(n, world, r, block=micro * world, group_blocks=16, seed=3, lengths=lengths)),
+    ):
+        per_rank = [np.array(list(make(r))).reshape(-1, micro) for r in range(world)]
+        steps[name] = per_rank
+    plain = _padding([b for r in steps["plain"] for b in r], lengths)
+    packed = _padding([b for r in steps["grouped"] for b in r], lengths)
+    assert plain > 0.5 and packed < 0.5 * plain, (plain, packed)
+    # the ranks' micro-batches of a step come from one block: their longest samples agree
+    longest = np.stack([lengths[r].max(1) for r in steps["grouped"]])
+    assert np.median(longest.max(0) / longest.min(0)) < 1.2
+    # long blocks are not all at the start of a group: the first blocks are not the longest
+    per_group = longest.max(0)[: len(longest[0]) // 16 * 16].reshape(-1, 16)
+    assert (per_group[:, 0] < per_group.max(1)).mean() > 0.5
+
+
+@FAST
+@given(n=st.integers(1, 600), world=st.integers(1, 4), data=st.data(), seed=seeds)
+def test_length_grouped_resume_continues_exactly(n, world, data, seed):
+    micro = data.draw(st.integers(1, 4))
+    sampler = grouped(n, world, 0, block=micro * world, group_blocks=3, seed=seed)
+    length = len(sampler)
+    stop = data.draw(st.integers(0, 2 * length))
+    straight = grouped(n, world, 0, block=micro * world, group_blocks=3, seed=seed)
+    expected = []
+    for _ in range(3):
+        expected += list(straight)
+        straight.advance(length)
+    sampler.advance(stop)
+    state = sampler.state_dict()
+    resumed = grouped(n, world, 0, block=micro * world, group_blocks=3, seed=seed)
+    resumed.load_state_dict(state)
+    got = list(resumed)
+    assert got == expected[stop : stop + len(got)] and len(got) == length - stop % length
+
+
+def test_length_grouped_state_refuses_another_grouping_or_a_plain_state():
+    a = grouped(100, 1, 0, block=8, group_blocks=4)
+    with pytest.raises(ValueError, match="group_blocks"):
+        grouped(100, 1, 0, block=8, group_blocks=5).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="length grouping"):
+        a.load_state_dict(ResumableDistributedSampler(100).state_dict())
+    with pytest.raises(ValueError, match="block"):
+        grouped(100, 1, 0, block=0)

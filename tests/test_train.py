@@ -97,7 +97,8 @@ def test_two_rank_loss_falls_on_wikitext(tmp_path, wiki_shards, zero):
 
 
 @pytest.mark.slow
-def test_exact_resume_two_ranks(tmp_path, synthetic_shards):
+@pytest.mark.parametrize("grouping", [0, 2])
+def test_exact_resume_two_ranks(tmp_path, synthetic_shards, grouping):
     common = [
         "--max_steps",
         "10",
@@ -105,6 +106,8 @@ def test_exact_resume_two_ranks(tmp_path, synthetic_shards):
         "1",
         "--deepspeed.config",
         '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
+        "--data.length_grouping",
+        str(grouping),
     ]
     pretrain(tmp_path / "straight", synthetic_shards, *common, ranks=2)
     pretrain(tmp_path / "resumed", synthetic_shards, *common, "--stop_at_step", "4", ranks=2)

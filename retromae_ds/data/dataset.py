@@ -246,8 +246,28 @@ class ShardDataset:
         lo, hi = self._row_span(shard, local)
         return [(shard.doc_id(r), shard.chunk_index(r)) for r in range(lo, hi)]
 
+    def lengths_of(self, indices) -> np.ndarray:
+        """Tokens of samples ``indices`` (int64), read from the shards' offsets alone."""
+        _, begin, end = self._spans(indices)
+        return end - begin
+
     def get_batch(self, indices) -> Batch:
         """Gather samples ``indices`` into one ragged batch (vectorised per shard)."""
+        shard_of, begin, end = self._spans(indices)
+        lengths = end - begin
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        # every sample is one contiguous slice of its shard: copy slices, no per-token index
+        shard_list = shard_of.tolist()
+        shards = {k: self._shard(k) for k in set(shard_list)}
+        spans = list(zip(shard_list, begin.tolist(), end.tolist(), strict=True))
+        empty_ids, empty_starts = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+        ids = np.concatenate([empty_ids] + [shards[k].ids[a:b] for k, a, b in spans])
+        starts = np.concatenate([empty_starts] + [shards[k].word_starts[a:b] for k, a, b in spans])
+        return Batch(ids, starts, offsets)
+
+    def _spans(self, indices) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, first token, end token) of each of samples ``indices``."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(self)
         if idx.size and (idx.min() < -n or idx.max() >= n):
@@ -272,17 +292,7 @@ class ShardDataset:
                 lo, hi = local, local + 1
             begin[sel] = shard.offsets[lo]
             end[sel] = shard.offsets[hi]
-        lengths = end - begin
-        offsets = np.zeros(idx.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        # every sample is one contiguous slice of its shard: copy slices, no per-token index
-        shard_list = shard_of.tolist()
-        shards = {k: self._shard(k) for k in set(shard_list)}
-        spans = list(zip(shard_list, begin.tolist(), end.tolist(), strict=True))
-        empty_ids, empty_starts = np.zeros(0, np.int32), np.zeros(0, np.uint8)
-        ids = np.concatenate([empty_ids] + [shards[k].ids[a:b] for k, a, b in spans])
-        starts = np.concatenate([empty_starts] + [shards[k].word_starts[a:b] for k, a, b in spans])
-        return Batch(ids, starts, offsets)
+        return shard_of, begin, end
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -16,6 +16,12 @@ Rank ``r`` of ``W`` reads global positions ``r, r + W, r + 2W, ...``. The remain
 - ``"uneven"`` (for evaluation and encoding): ranks are disjoint and together cover every
   sample exactly once; ranks differ in length by at most one.
 
+``LengthGroupedSampler`` keeps all of that and orders each group of consecutive positions of
+the epoch's order (``group_blocks`` blocks of ``block`` samples, a block being what one step's
+micro-batches on all ranks read together) by sample length, then shuffles the full blocks of
+the group: each step's samples have similar lengths, so long inputs are not padded to the
+longest of a random batch, while the order stays a pure function of (seed, epoch, position).
+
 Exact resume: the trainer calls ``advance(n)`` for the samples it has *consumed* (not the
 ones a DataLoader prefetched), so ``state_dict()`` names the next unseen sample whatever the
 worker count; ``load_state_dict`` makes the next ``__iter__`` start there.
@@ -23,7 +29,7 @@ worker count; ``load_state_dict`` makes the next ``__iter__`` start there.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -168,6 +174,85 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
                     "exact resume needs the same data, world size and sampler settings"
                 )
         self.epoch, self.consumed, self._perm = int(state["epoch"]), int(state["consumed"]), None
+
+
+class LengthGroupedSampler(ResumableDistributedSampler):
+    """A shuffled order in which every ``block`` consecutive positions (one step of every
+    rank: ``micro_batch × world size``) hold samples of similar length.
+
+    The epoch's shuffled order is cut into groups of ``group_blocks × block`` positions; a
+    group's samples are sorted by length (longest first, ties by position) and its full blocks
+    put in a keyed random order (a short tail block stays last). ``lengths(indices)`` gives
+    the lengths of samples (``ShardDataset.lengths_of``); only the groups being read are
+    looked at (one group's lengths and sort, O(group), cached), so no rank holds O(N) state.
+    Coverage, remainder handling and exact resume are those of the parent.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        *,
+        lengths: Callable[[np.ndarray], np.ndarray],
+        block: int,
+        group_blocks: int = 64,
+        seed: int = 0,
+        remainder: str = "pad",
+    ) -> None:
+        super().__init__(num_samples, num_replicas, rank, seed=seed, remainder=remainder)
+        if block < 1 or group_blocks < 1:
+            raise ValueError(f"need block >= 1 and group_blocks >= 1, got {block}, {group_blocks}")
+        self.lengths, self.block, self.group_blocks = lengths, block, group_blocks
+        self._groups: dict[tuple[int, int], np.ndarray] = {}
+
+    def indices(self, start: int, stop: int) -> np.ndarray:
+        stop = min(stop, len(self))
+        local = np.arange(start, max(start, stop), dtype=np.int64)
+        global_pos = (local * self.num_replicas + self.rank) % self.num_samples
+        size = self.block * self.group_blocks
+        out = np.empty_like(global_pos)
+        groups = global_pos // size
+        for g in np.unique(groups).tolist():
+            sel = groups == g
+            out[sel] = self._group(g)[global_pos[sel] - g * size]
+        return out
+
+    def _group(self, g: int) -> np.ndarray:
+        """Sample indices at the positions of group ``g`` of the current epoch."""
+        key = (self.epoch, g)
+        cached = self._groups.get(key)
+        if cached is not None:
+            return cached
+        if self._perm is None:
+            self._perm = FeistelPermutation(self.num_samples, _epoch_key(self.seed, self.epoch))
+        size = self.block * self.group_blocks
+        begin, end = g * size, min((g + 1) * size, self.num_samples)
+        members = self._perm(np.arange(begin, end, dtype=np.int64))
+        n = np.asarray(self.lengths(members), dtype=np.int64)
+        if n.shape != members.shape:
+            raise ValueError(f"lengths() gave {n.shape} lengths for {members.shape} samples")
+        ordered = members[np.lexsort((np.arange(len(members)), -n))]
+        full = len(ordered) // self.block
+        blocks = FeistelPermutation(max(full, 1), _epoch_key(self.seed ^ 0x5BD1E995, self.epoch * 1_000_003 + g))
+        order = blocks(np.arange(full, dtype=np.int64)) if full else np.zeros(0, np.int64)
+        head = ordered[: full * self.block].reshape(full, self.block)[order].reshape(-1)
+        mapped = np.concatenate([head, ordered[full * self.block :]])
+        self._groups = {k: v for k, v in self._groups.items() if k[0] == self.epoch and k[1] >= g - 1}
+        self._groups[key] = mapped
+        return mapped
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict() | {"block": self.block, "group_blocks": self.group_blocks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("block", "group_blocks"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"sampler state has {key}={state.get(key)!r}, this run has "
+                    f"{getattr(self, key)!r}; exact resume needs the same length grouping"
+                )
+        super().load_state_dict(state)
 
 
 def _epoch_key(seed: int, epoch: int) -> int:
