@@ -121,7 +121,9 @@ def load_pretrained(
     """``auto_class.from_pretrained(folder, local_files_only=True, **kwargs)`` under
     ``quiet_transformers()``. Weights missing from the checkpoint (newly initialised) whose
     names do not start with one of ``may_miss`` (default: the pooler, which CLS and mean
-    pooling never use) are named in one line on stderr instead of transformers' table."""
+    pooling never use) are named in one line on stderr instead of transformers' table.
+    A model on ``sdpa`` attention is switched to its broadcast padding mask
+    (``modeling.long_attention``: same outputs, no L×L mask)."""
     with quiet_transformers():
         model, info = auto_class.from_pretrained(
             str(folder), local_files_only=True, output_loading_info=True, **kwargs
@@ -134,6 +136,9 @@ def load_pretrained(
             file=sys.stderr,
             flush=True,
         )
+    from retromae_ds.modeling.long_attention import use_broadcast_mask
+
+    use_broadcast_mask(model)
     return model
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from retromae_ds.hfutil import load_pretrained
+from retromae_ds.modeling.long_attention import use_broadcast_mask
 from retromae_ds.modeling.positions import extend_positions
 
 PRESETS = {
@@ -41,10 +42,18 @@ class EncoderConfig:
     max(max_position_embeddings, max_positions)."""
     dropout: float = 0.1
     """Hidden and attention dropout of a from-scratch encoder."""
+    attention_dropout: float | None = None
+    """Dropout of the attention probabilities (None: the checkpoint's own, or ``dropout``).
+    Fused attention kernels on CPU need 0 (``modeling.long_attention``): set it for long
+    inputs."""
     gradient_checkpointing: bool = False
     """Recompute encoder activations in the backward pass to save memory."""
 
     def __post_init__(self) -> None:
+        if self.attention_dropout is not None and not 0 <= self.attention_dropout < 1:
+            raise ValueError(
+                f"model.encoder.attention_dropout must be in [0, 1), not {self.attention_dropout}"
+            )
         if self.max_positions < 0:
             raise ValueError(f"model.encoder.max_positions must be >= 0, not {self.max_positions}")
         if self.name not in PRESETS and not Path(self.name).is_dir():
@@ -83,6 +92,9 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
             )
         if cfg.max_positions:
             extend_positions(model, cfg.max_positions)
+    if cfg.attention_dropout is not None:
+        set_attention_dropout(model, cfg.attention_dropout)
+    use_broadcast_mask(model)
     if cfg.gradient_checkpointing:
         # transformers >= 5 renamed it; the old name still works there but warns
         enable = (
@@ -91,6 +103,20 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
         )
         enable()
     return model
+
+
+def set_attention_dropout(model: nn.Module, p: float) -> None:
+    """Set the attention-probability dropout of every self-attention layer (and the config)."""
+    layers = [
+        m.dropout
+        for m in model.modules()
+        if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "dropout", None), nn.Dropout)
+    ]
+    if not layers:
+        raise TypeError(f"{type(model).__name__}: no self-attention dropout found to set")
+    for dropout in layers:
+        dropout.p = p
+    model.config.attention_probs_dropout_prob = p
 
 
 def mlm_head(model: nn.Module) -> nn.Module:
