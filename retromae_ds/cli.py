@@ -210,6 +210,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_long_task(args: argparse.Namespace) -> int:
+    from retromae_ds.data.long_task import build
+
+    out = build(
+        args.raw, args.out, min_words=args.min_words, deep_after=args.deep_after, seed=args.seed
+    )
+    docs = sum(1 for _ in open(out / "corpus.jsonl", encoding="utf-8"))
+    print(f"long-task: {docs} articles -> {out} (qrels test: titles, deep: deep sentences)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retromae-ds", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -268,6 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a non-empty OUT that is not a previous export (never a run or checkpoint)",
     )
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "long-task", help="a long-document BEIR task from WikiText articles (title / deep sentence)"
+    )
+    p.add_argument("raw", help="a WikiText wiki.*.raw file")
+    p.add_argument("--out", required=True, help="BEIR folder to write")
+    p.add_argument("--min-words", type=int, default=1000, help="shortest article kept")
+    p.add_argument(
+        "--deep-after", type=int, default=600, help="deep queries start after this many words"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_long_task)
 
     # listed for --help; parsed in main() so that other commands do not import torch/faiss
     sub.add_parser("pretrain", help="pre-train on DeepSpeed (--config FILE, --section.field VALUE)")
