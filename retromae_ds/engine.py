@@ -173,9 +173,14 @@ def _deep_update(into: dict, new: dict) -> None:
 
 
 def initialize(model: torch.nn.Module, optimizer, scheduler, ds_config: dict[str, Any]):
-    """Wrap model/optimizer/scheduler in a DeepSpeed engine."""
+    """Wrap model/optimizer/scheduler in a DeepSpeed engine. Parameters the model's forward
+    reads outside their owners' forward (``model.external_parameters()``, if it has that
+    method) are registered for ZeRO-3's gathering first."""
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
+    for param in getattr(model, "external_parameters", list)():
+        register_external_parameter(model, param)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )

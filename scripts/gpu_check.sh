@@ -4,7 +4,9 @@
 #      bf16, outputs and gradients; the decoders' losses on FlexAttention vs reference),
 #   2. benchmarks/bench_attention.py on CUDA (time and peak memory vs reference, L = 512..8192),
 #   3. benchmarks/bench_train.py on CUDA (tokens/s, DeepSpeed vs plain torch, flex vs
-#      reference decoder attention, encoder MFU).
+#      reference decoder attention, encoder MFU),
+#   4. benchmarks/bench_long.py on CUDA (a BERT-base-sized RetroMAE step at 512 and 8,192
+#      tokens: peak memory and tokens/s; the plain vocabulary head at 8,192 as the baseline).
 # Results (text + JSON) go to the folder given as $1 (default: $OUT if set, else gpu_results/).
 # Without a CUDA GPU it says so and exits 0. Exit status: non-zero if the tests fail.
 # Offline: uses the python3 that holds torch (PYTHON=... to choose) and this checkout on
@@ -51,8 +53,14 @@ timeout 200 "$PY" benchmarks/bench_train.py --device cuda --dtype bf16 --sizes s
     --length 512 --batch 32 --steps 10 --repeats 2 $ds_flag \
     --json "$RESULTS/train_bf16.json" 2>&1 | tee "$RESULTS/train_bf16.txt"
 
+echo "== long-input benchmark (BERT-base sized, bf16: peak memory and tokens/s, L = 512 vs 8192)"
+timeout 200 "$PY" benchmarks/bench_long.py --device cuda --dtype bf16 --size base \
+    --lengths 512 8192 --objectives retromae --baselines plain-head --baseline-lengths 8192 \
+    --tokens 32768 --steps 3 --timeout 90 \
+    --json "$RESULTS/long_bf16.json" 2>&1 | tee "$RESULTS/long_bf16.txt"
+
 {
     echo "gpu_check finished in $((SECONDS - start)) s, tests $([ $status -eq 0 ] && echo passed || echo FAILED)"
-    grep -h "^|" "$RESULTS"/attention_*.txt "$RESULTS"/train_bf16.txt 2>/dev/null
+    grep -h "^|" "$RESULTS"/attention_*.txt "$RESULTS"/train_bf16.txt "$RESULTS"/long_bf16.txt 2>/dev/null
 } | tee "$RESULTS/summary.txt"
 exit $status

@@ -94,3 +94,48 @@ def test_extended_checkpoint_trains_at_2048_and_exports_at_2048(tmp_path, long_s
     with torch.no_grad():
         hidden = model(**enc).last_hidden_state
     assert hidden.shape == (1, LONG, 64) and torch.isfinite(hidden).all()
+
+
+@pytest.fixture(scope="module")
+def long_shards_4k(long_shards, tmp_path_factory) -> Path:
+    """The same articles at 4,096 tokens a row, with the same tokenizer."""
+    out = tmp_path_factory.mktemp("long4k") / "shards"
+    run_preprocess(
+        PreprocessConfig(
+            inputs=[str(long_shards.parent / "task" / "corpus.jsonl")],
+            out=str(out),
+            tokenizer=str(long_shards / "tokenizer"),
+            max_length=2 * LONG,
+            workers=2,
+            progress=False,
+        )
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_at_4096_loss_falls_and_resumes_exactly(tmp_path, long_shards_4k):
+    init = _checkpoint_at_512(tmp_path / "init", long_shards_4k)
+    common = [
+        "--model.encoder.name", str(init),
+        "--model.encoder.max_positions", str(2 * LONG),
+        "--model.encoder.attention_dropout", "0",
+        "--data.length_grouping", "2",
+        "--micro_batch_size", "1",
+        "--max_steps", "8",
+        "--log_every", "1",
+        "--checkpoint.every_steps", "4",
+        "--deepspeed.config", '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
+    ]
+    pretrain(tmp_path / "straight", long_shards_4k, *common, ranks=2)
+    pretrain(tmp_path / "resumed", long_shards_4k, *common, "--stop_at_step", "4", ranks=2)
+    pretrain(tmp_path / "resumed", long_shards_4k, *common, ranks=2)
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    keys = ("loss", "mlm_loss", "decoder_loss", "lr", "tokens_seen")
+    for a, b in zip(straight, resumed, strict=True):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, (a, b)
+    first, last = straight[:2], straight[-2:]
+    assert sum(r["loss"] for r in last) < sum(r["loss"] for r in first), straight
+    # one sample a rank and step, rows of up to 4,096 tokens: well over 1,024 on average
+    assert straight[-1]["tokens_seen"] > 1024 * 8, straight[-1]

@@ -108,14 +108,15 @@ class PretrainModel(nn.Module):
         elif objective.name == "seed":
             self.decoder = nn.ModuleList(layer() for _ in range(objective.decoder_layers))
         self._head_parts = _checked_parts(mlm_head(encoder)) if objective.head == "chunked" else None
-        if self._head_parts is not None:
-            # ZeRO-3 gathers a module's parameters for its own forward only: the projection is
-            # used here, outside the head's forward
-            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
-            for p in (self._head_parts.weight, self._head_parts.bias):
-                if p is not None:
-                    register_external_parameter(self, p)
+    def external_parameters(self) -> list[nn.Parameter]:
+        """Parameters this module's own forward uses outside their owners' forward (the
+        chunked loss reads the head's projection directly): ZeRO-3 must be told to gather
+        them for this module's forward (``deepspeed.zero.register_external_parameter``)."""
+        parts = self._head_parts
+        if parts is None:
+            return []
+        return [p for p in (parts.weight, parts.bias) if p is not None]
 
     def vocab_loss(
         self, features_NH: torch.Tensor, targets_N: torch.Tensor
