@@ -11,6 +11,8 @@ from transformers import (
     BertForMaskedLM,
     RobertaConfig,
     RobertaForMaskedLM,
+    XLMRobertaConfig,
+    XLMRobertaForMaskedLM,
 )
 
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
@@ -40,6 +42,13 @@ def _roberta():
     ).eval()
 
 
+def _xlmr():
+    torch.manual_seed(0)
+    return XLMRobertaForMaskedLM(
+        XLMRobertaConfig(max_position_embeddings=66, pad_token_id=1, **SMALL)
+    ).eval()
+
+
 def _inputs(length: int, batch: int = 2, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(length)
     ids = torch.randint(3, 100, (batch, length), generator=g)
@@ -49,7 +58,7 @@ def _inputs(length: int, batch: int = 2, pad: int = 0) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-@pytest.mark.parametrize("make,pad,offset", [(_bert, 0, 0), (_roberta, 1, 2)])
+@pytest.mark.parametrize("make,pad,offset", [(_bert, 0, 0), (_roberta, 1, 2), (_xlmr, 1, 2)])
 def test_extension_keeps_short_inputs_exactly_and_reads_long_ones(make, pad, offset):
     model = make()
     assert position_offset(model) == offset and usable_positions(model) == 64
@@ -78,7 +87,7 @@ def test_extension_keeps_short_inputs_exactly_and_reads_long_ones(make, pad, off
     assert usable_positions(model) == 200
 
 
-@pytest.mark.parametrize("make,pad", [(_bert, 0), (_roberta, 1)])
+@pytest.mark.parametrize("make,pad", [(_bert, 0), (_roberta, 1), (_xlmr, 1)])
 def test_extended_model_saves_and_loads_back_at_n(tmp_path, make, pad):
     model = make()
     extend_positions(model, 150)
