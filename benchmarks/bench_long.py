@@ -78,7 +78,9 @@ def _one(args: argparse.Namespace) -> dict:
     model = model.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = np.random.default_rng(0)
-    collator = PretrainCollator(special, MaskingConfig(), args.length, decoder=args.objective != "mlm")
+    collator = PretrainCollator(
+        special, MaskingConfig(), args.length, decoder=args.objective != "mlm"
+    )
 
     def batch():
         items = []
@@ -138,14 +140,33 @@ def _rss_kb() -> int:
 
 def _child(length, batch, variant, objective, args) -> dict | None:
     cmd = [
-        sys.executable, __file__, "--child", "--length", str(length), "--batch", str(batch),
-        "--variant", variant, "--objective", objective, "--size", args.size,
-        "--device", args.device, "--dtype", args.dtype, "--steps", str(args.steps),
+        sys.executable,
+        __file__,
+        "--child",
+        "--length",
+        str(length),
+        "--batch",
+        str(batch),
+        "--variant",
+        variant,
+        "--objective",
+        objective,
+        "--size",
+        args.size,
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--steps",
+        str(args.steps),
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        print(f"  {variant} {objective} L={length} B={batch}: over {args.timeout} s, skipped", flush=True)
+        print(
+            f"  {variant} {objective} L={length} B={batch}: over {args.timeout} s, skipped",
+            flush=True,
+        )
         return None
     if proc.returncode != 0:
         print(f"  {variant} {objective} L={length}: failed\n{proc.stderr[-2000:]}", flush=True)
@@ -168,7 +189,9 @@ def main() -> None:
     p.add_argument("--objective", default="retromae", help=argparse.SUPPRESS)
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--objectives", nargs="+", default=["mlm", "retromae", "seed"])
-    p.add_argument("--baselines", nargs="*", default=["plain-head", "reference-decoder", "attn-dropout"])
+    p.add_argument(
+        "--baselines", nargs="*", default=["plain-head", "reference-decoder", "attn-dropout"]
+    )
     p.add_argument("--baseline-lengths", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--tokens", type=int, default=8192, help="tokens per step of the speed runs")
     p.add_argument("--size", default="tiny")
@@ -199,12 +222,20 @@ def main() -> None:
 
     print(
         "\n| objective | L | peak MiB (B=1) | vs linear from 512 | MiB per 1k more tokens "
-        "| tokens/s (B×L = %d) | vs 512 |" % args.tokens
+        f"| tokens/s (B×L = {args.tokens}) | vs 512 |"
     )
     print("|---|---|---|---|---|---|---|")
     for objective in args.objectives:
-        mem = {r["length"]: r for r in rows if r["objective"] == objective and r["variant"] == "ours" and r["mode"] == "memory"}
-        spd = {r["length"]: r for r in rows if r["objective"] == objective and r["variant"] == "ours" and r["mode"] == "speed"}
+        mem = {
+            r["length"]: r
+            for r in rows
+            if r["objective"] == objective and r["variant"] == "ours" and r["mode"] == "memory"
+        }
+        spd = {
+            r["length"]: r
+            for r in rows
+            if r["objective"] == objective and r["variant"] == "ours" and r["mode"] == "speed"
+        }
         base_m, base_s = mem.get(min(args.lengths)), spd.get(min(args.lengths))
         previous = None
         for length in args.lengths:
@@ -217,7 +248,8 @@ def main() -> None:
             # the marginal cost: constant when memory grows linearly, rising when quadratically
             slope = (
                 f"{(m['peak_mib'] - previous['peak_mib']) * 1000 / (length - previous['length']):.0f}"
-                if previous else "-"
+                if previous
+                else "-"
             )
             print(
                 f"| {objective} | {length} | {m['peak_mib']:.0f} | {lin:.2f}× | {slope} | "
@@ -230,9 +262,21 @@ def main() -> None:
         for r in rows:
             if r["variant"] == "ours" or r["mode"] != "memory":
                 continue
-            ours = next((o for o in rows if o["variant"] == "ours" and o["mode"] == "memory" and o["objective"] == r["objective"] and o["length"] == r["length"]), None)
+            ours = next(
+                (
+                    o
+                    for o in rows
+                    if o["variant"] == "ours"
+                    and o["mode"] == "memory"
+                    and o["objective"] == r["objective"]
+                    and o["length"] == r["length"]
+                ),
+                None,
+            )
             vs = f"{r['peak_mib'] / ours['peak_mib']:.2f}×" if ours else "-"
-            print(f"| {r['objective']} | {r['length']} | {r['variant']} | {r['peak_mib']:.0f} | {vs} |")
+            print(
+                f"| {r['objective']} | {r['length']} | {r['variant']} | {r['peak_mib']:.0f} | {vs} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

@@ -216,7 +216,8 @@ def cmd_long_task(args: argparse.Namespace) -> int:
     out = build(
         args.raw, args.out, min_words=args.min_words, deep_after=args.deep_after, seed=args.seed
     )
-    docs = sum(1 for _ in open(out / "corpus.jsonl", encoding="utf-8"))
+    with open(out / "corpus.jsonl", encoding="utf-8") as f:
+        docs = sum(1 for _ in f)
     print(f"long-task: {docs} articles -> {out} (qrels test: titles, deep: deep sentences)")
     return 0
 

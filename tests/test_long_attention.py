@@ -8,24 +8,39 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM, RobertaConfig, RobertaForMaskedLM
+from transformers import (
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
 
 from retromae_ds.hfutil import load_pretrained
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder, set_attention_dropout
 from retromae_ds.modeling.long_attention import NAME, broadcast_padding_mask, use_broadcast_mask
 
 SMALL = dict(
-    vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-    intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
 )
 
 
 def _model(kind: str, positions: int = 512, impl: str = "sdpa"):
     torch.manual_seed(0)
     if kind == "bert":
-        return BertForMaskedLM(BertConfig(max_position_embeddings=positions, attn_implementation=impl, **SMALL))
+        return BertForMaskedLM(
+            BertConfig(max_position_embeddings=positions, attn_implementation=impl, **SMALL)
+        )
     return RobertaForMaskedLM(
-        RobertaConfig(max_position_embeddings=positions + 2, pad_token_id=1, attn_implementation=impl, **SMALL)
+        RobertaConfig(
+            max_position_embeddings=positions + 2, pad_token_id=1, attn_implementation=impl, **SMALL
+        )
     )
 
 
@@ -42,7 +57,9 @@ def _run(model, ids, mask):
     model.zero_grad()
     out = model(input_ids=ids, attention_mask=mask).logits
     (out * mask[..., None]).square().mean().backward()
-    return out.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), {
+        k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("kind,pad", [("bert", 0), ("roberta", 1)])

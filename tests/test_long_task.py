@@ -13,7 +13,9 @@ from retromae_ds.eval.beir import load_beir
 
 BODY = " ".join(f"Sentence number {i} tells about the topic of item {i % 7} ." for i in range(400))
 TEXT = (
-    " \n = Alpha = \n \n " + BODY + " \n \n = = Later = = \n \n A final note closes Alpha for now . \n"
+    " \n = Alpha = \n \n "
+    + BODY
+    + " \n \n = = Later = = \n \n A final note closes Alpha for now . \n"
     " = Beta = \n \n Too short to keep . \n"
     " = Gamma = \n \n " + BODY.replace("topic", "subject") + " \n"
 )

@@ -49,8 +49,13 @@ def _checkpoint_at_512(folder: Path, shards: Path) -> Path:
     tokenizer = load_tokenizer(shards / "tokenizer")
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
     )
     BertForMaskedLM(config).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
@@ -64,15 +69,24 @@ def test_extended_checkpoint_trains_at_2048_and_exports_at_2048(tmp_path, long_s
     init = _checkpoint_at_512(tmp_path / "init", long_shards)
     run = tmp_path / "run"
     pretrain(
-        run, long_shards,
-        "--model.encoder.name", str(init),
-        "--model.encoder.max_positions", str(LONG),
-        "--model.encoder.attention_dropout", "0",
-        "--data.length_grouping", "2",
-        "--micro_batch_size", "2",
-        "--max_steps", "12",
-        "--log_every", "3",
-        "--deepspeed.config", '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
+        run,
+        long_shards,
+        "--model.encoder.name",
+        str(init),
+        "--model.encoder.max_positions",
+        str(LONG),
+        "--model.encoder.attention_dropout",
+        "0",
+        "--data.length_grouping",
+        "2",
+        "--micro_batch_size",
+        "2",
+        "--max_steps",
+        "12",
+        "--log_every",
+        "3",
+        "--deepspeed.config",
+        '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
     )
     rows = metrics(run)
     assert rows[-1]["loss"] < rows[0]["loss"], rows
@@ -117,15 +131,24 @@ def long_shards_4k(long_shards, tmp_path_factory) -> Path:
 def test_two_ranks_at_4096_loss_falls_and_resumes_exactly(tmp_path, long_shards_4k):
     init = _checkpoint_at_512(tmp_path / "init", long_shards_4k)
     common = [
-        "--model.encoder.name", str(init),
-        "--model.encoder.max_positions", str(2 * LONG),
-        "--model.encoder.attention_dropout", "0",
-        "--data.length_grouping", "2",
-        "--micro_batch_size", "1",
-        "--max_steps", "8",
-        "--log_every", "1",
-        "--checkpoint.every_steps", "4",
-        "--deepspeed.config", '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
+        "--model.encoder.name",
+        str(init),
+        "--model.encoder.max_positions",
+        str(2 * LONG),
+        "--model.encoder.attention_dropout",
+        "0",
+        "--data.length_grouping",
+        "2",
+        "--micro_batch_size",
+        "1",
+        "--max_steps",
+        "8",
+        "--log_every",
+        "1",
+        "--checkpoint.every_steps",
+        "4",
+        "--deepspeed.config",
+        '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
     ]
     pretrain(tmp_path / "straight", long_shards_4k, *common, ranks=2)
     pretrain(tmp_path / "resumed", long_shards_4k, *common, "--stop_at_step", "4", ranks=2)

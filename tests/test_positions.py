@@ -78,7 +78,7 @@ def test_extension_keeps_short_inputs_exactly_and_reads_long_ones(make, pad, off
         assert torch.equal(new[offset + p], old[offset + p % 64]), p
     with torch.no_grad():
         after = [model(input_ids=i, attention_mask=m).logits for i, m in short]
-        for b, a in zip(before, after):
+        for b, a in zip(before, after, strict=True):
             assert torch.equal(b, a)
         ids, mask = _inputs(200, pad=pad)
         long_out = model(input_ids=ids, attention_mask=mask).logits

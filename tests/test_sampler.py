@@ -389,15 +389,28 @@ def _lengths(n: int, seed: int = 0) -> np.ndarray:
 def grouped(n, world, rank, mode="pad", *, block=8, group_blocks=4, seed=0, lengths=None):
     table = _lengths(n) if lengths is None else lengths
     return LengthGroupedSampler(
-        n, world, rank, lengths=lambda idx: table[idx], block=block,
-        group_blocks=group_blocks, seed=seed, remainder=mode,
+        n,
+        world,
+        rank,
+        lengths=lambda idx: table[idx],
+        block=block,
+        group_blocks=group_blocks,
+        seed=seed,
+        remainder=mode,
     )
 
 
 @FAST
-@given(n=sizes, world=worlds, mode=modes, seed=seeds, micro=st.integers(1, 5), blocks=st.integers(1, 6))
-def test_length_grouping_keeps_the_coverage_of_every_remainder_mode(n, world, mode, seed, micro, blocks):
-    lists = [list(grouped(n, world, r, mode, block=micro * world, group_blocks=blocks, seed=seed)) for r in range(world)]
+@given(
+    n=sizes, world=worlds, mode=modes, seed=seeds, micro=st.integers(1, 5), blocks=st.integers(1, 6)
+)
+def test_length_grouping_keeps_the_coverage_of_every_remainder_mode(
+    n, world, mode, seed, micro, blocks
+):
+    lists = [
+        list(grouped(n, world, r, mode, block=micro * world, group_blocks=blocks, seed=seed))
+        for r in range(world)
+    ]
     plain = rank_lists(n, world, mode, seed=seed)
     assert [len(x) for x in lists] == [len(x) for x in plain]
     counts = Counter(i for x in lists for i in x)
@@ -421,7 +434,12 @@ def test_each_step_reads_samples_of_similar_length_on_every_rank():
     steps = {}
     for name, make in (
         ("plain", lambda r: ResumableDistributedSampler(n, world, r, seed=3)),
-        ("grouped", lambda r: grouped(n, world, r, block=micro * world, group_blocks=16, seed=3, lengths=lengths)),
+        (
+            "grouped",
+            lambda r: grouped(
+                n, world, r, block=micro * world, group_blocks=16, seed=3, lengths=lengths
+            ),
+        ),
     ):
         per_rank = [np.array(list(make(r))).reshape(-1, micro) for r in range(world)]
         steps[name] = per_rank

@@ -109,9 +109,15 @@ def test_no_n_by_v_tensor_is_created_forward_or_backward():
 def _roberta_encoder():
     torch.manual_seed(0)
     cfg = RobertaConfig(
-        vocab_size=SPECIAL.vocab_size, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=2, intermediate_size=64, max_position_embeddings=66,
-        pad_token_id=SPECIAL.pad, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=SPECIAL.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=66,
+        pad_token_id=SPECIAL.pad,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     return RobertaForMaskedLM(cfg)
 

@@ -234,11 +234,15 @@ class LengthGroupedSampler(ResumableDistributedSampler):
             raise ValueError(f"lengths() gave {n.shape} lengths for {members.shape} samples")
         ordered = members[np.lexsort((np.arange(len(members)), -n))]
         full = len(ordered) // self.block
-        blocks = FeistelPermutation(max(full, 1), _epoch_key(self.seed ^ 0x5BD1E995, self.epoch * 1_000_003 + g))
+        blocks = FeistelPermutation(
+            max(full, 1), _epoch_key(self.seed ^ 0x5BD1E995, self.epoch * 1_000_003 + g)
+        )
         order = blocks(np.arange(full, dtype=np.int64)) if full else np.zeros(0, np.int64)
         head = ordered[: full * self.block].reshape(full, self.block)[order].reshape(-1)
         mapped = np.concatenate([head, ordered[full * self.block :]])
-        self._groups = {k: v for k, v in self._groups.items() if k[0] == self.epoch and k[1] >= g - 1}
+        self._groups = {
+            k: v for k, v in self._groups.items() if k[0] == self.epoch and k[1] >= g - 1
+        }
         self._groups[key] = mapped
         return mapped
 

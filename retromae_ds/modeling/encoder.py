@@ -110,7 +110,8 @@ def set_attention_dropout(model: nn.Module, p: float) -> None:
     layers = [
         m.dropout
         for m in model.modules()
-        if type(m).__name__.endswith("SelfAttention") and isinstance(getattr(m, "dropout", None), nn.Dropout)
+        if type(m).__name__.endswith("SelfAttention")
+        and isinstance(getattr(m, "dropout", None), nn.Dropout)
     ]
     if not layers:
         raise TypeError(f"{type(model).__name__}: no self-attention dropout found to set")

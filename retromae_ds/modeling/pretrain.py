@@ -107,7 +107,9 @@ class PretrainModel(nn.Module):
             self.decoder = layer()
         elif objective.name == "seed":
             self.decoder = nn.ModuleList(layer() for _ in range(objective.decoder_layers))
-        self._head_parts = _checked_parts(mlm_head(encoder)) if objective.head == "chunked" else None
+        self._head_parts = (
+            _checked_parts(mlm_head(encoder)) if objective.head == "chunked" else None
+        )
 
     def external_parameters(self) -> list[nn.Parameter]:
         """Parameters this module's own forward uses outside their owners' forward (the
@@ -128,7 +130,10 @@ class PretrainModel(nn.Module):
             accuracy = (logits.argmax(-1) == targets_N).float().mean().detach()
             return F.cross_entropy(logits.float(), targets_N), accuracy
         loss, correct = linear_cross_entropy(
-            parts.transform(features_NH), parts.weight, parts.bias, targets_N,
+            parts.transform(features_NH),
+            parts.weight,
+            parts.bias,
+            targets_N,
             self.objective.head_chunk,
         )
         return loss, (correct.float() / max(1, len(targets_N))).detach()
@@ -186,7 +191,6 @@ class PretrainModel(nn.Module):
         for layer in self.decoder:
             x_BLH = layer(x_BLH, x_BLH, spec)
         return self._reconstruction(x_BLH, batch["decoder_labels"])
-
 
     def _reconstruction(
         self, dec_BLH: torch.Tensor, targets_BL: torch.Tensor

@@ -59,9 +59,9 @@ def head_parts(head: nn.Module) -> HeadParts | None:
     dense, norm = getattr(head, "dense", None), getattr(head, "layer_norm", None)
     decoder = getattr(head, "decoder", None)
     gelu = getattr(sys.modules.get(type(head).__module__), "gelu", None)
-    if isinstance(dense, nn.Linear) and isinstance(norm, nn.LayerNorm) and gelu is not None:
-        if isinstance(decoder, nn.Linear):
-            return HeadParts(lambda x: norm(gelu(dense(x))), decoder)
+    linear = isinstance(dense, nn.Linear) and isinstance(decoder, nn.Linear)
+    if linear and isinstance(norm, nn.LayerNorm) and gelu is not None:
+        return HeadParts(lambda x: norm(gelu(dense(x))), decoder)
     return None
 
 
@@ -72,7 +72,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_x, want_w, want_b = ctx.needs_input_grad[:3]
         grads = want_x or want_w or want_b
         grad_x = torch.empty_like(x_NH) if want_x else None
-        grad_w = torch.zeros(weight_VH.shape, dtype=torch.float32, device=x_NH.device) if want_w else None
+        grad_w = (
+            torch.zeros(weight_VH.shape, dtype=torch.float32, device=x_NH.device)
+            if want_w
+            else None
+        )
         grad_b = (
             torch.zeros(bias_V.shape, dtype=torch.float32, device=x_NH.device)
             if want_b and bias_V is not None
@@ -114,7 +118,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):  # type: ignore[override]
         out = []
-        for present, g, dtype in zip(ctx.present, ctx.saved_tensors, ctx.dtypes):
+        for present, g, dtype in zip(ctx.present, ctx.saved_tensors, ctx.dtypes, strict=True):
             out.append((g * grad_loss).to(dtype) if present else None)
         return out[0], out[1], out[2], None, None
 
@@ -130,6 +134,8 @@ def linear_cross_entropy(
     argmax is the target), computed ``chunk`` rows at a time (0: rows of one 64 MiB fp32 chunk)
     with the loss in fp32, as ``F.cross_entropy(logits.float(), targets)`` does."""
     if x_NH.dim() != 2 or targets_N.shape != x_NH.shape[:1]:
-        raise ValueError(f"need x [N, H] and targets [N], got {tuple(x_NH.shape)}, {tuple(targets_N.shape)}")
+        raise ValueError(
+            f"need x [N, H] and targets [N], got {tuple(x_NH.shape)}, {tuple(targets_N.shape)}"
+        )
     chunk = chunk or max(1, CHUNK_ELEMENTS // weight_VH.shape[0])
     return _LinearCrossEntropy.apply(x_NH, weight_VH, bias_V, targets_N, chunk)
