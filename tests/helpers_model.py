@@ -1,4 +1,5 @@
-"""A tiny vocabulary, collated batches over it and a functional layer norm for the loss tests.
+"""A tiny vocabulary, collated batches over it and a functional layer norm for the loss tests;
+a small transformers config and a probe of the largest tensor a computation creates.
 
 Shared by ``test_model`` (RetroMAE) and ``test_seed_encoder`` (SEED-Encoder), whose
 re-implementations of the papers' formulas run on batches made by the real collator.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
 from retromae_ds.tokens import SpecialIds
@@ -30,3 +32,34 @@ def batch_of(rows: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
 def layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
     """``ln(x)`` spelled out with ``F.layer_norm``."""
     return F.layer_norm(x, x.shape[-1:], ln.weight, ln.bias, ln.eps)
+
+
+SMALL_CONFIG = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+"""Keyword arguments of a small BERT / RoBERTa / XLM-R config without dropout."""
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op creates while active: its elements, or with
+    ``storage=True`` the elements of the storage it holds (a stride-0 view counts as small)."""
+
+    def __init__(self, storage: bool = False):
+        super().__init__()
+        self.storage, self.largest = storage, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                size = (
+                    t.untyped_storage().nbytes() // t.element_size() if self.storage else t.numel()
+                )
+                self.largest = max(self.largest, size)
+        return out

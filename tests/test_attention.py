@@ -16,11 +16,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from retromae_ds.attention import TwoStreamSpec, WindowSpec, attend, resolve_backend
 from retromae_ds.attention.chunked import chunked_attention
 from retromae_ds.attention.flex import BLOCK, block_visibility, build_block_mask
+
+from helpers_model import LargestTensor
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (none visible to torch)")
@@ -183,19 +184,6 @@ def test_window_block_mask_skips_almost_every_block():
 
 
 # --------------------------------------------------------------------- no L×L tensors
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize(
     "backend,rule", [("chunked", "two_stream"), ("chunked", "window"), ("window", "window")]
 )
@@ -205,13 +193,13 @@ def test_fast_paths_never_create_an_L_by_L_tensor(backend, rule):
         _two_stream(B, L, 0, 0.5) if rule == "two_stream" else WindowSpec(torch.tensor([L, 300]), 2)
     )
     q, k, v = _qkv(B, H, L, D, 0)
-    probe = _LargestTensor()
+    probe = LargestTensor()
     with probe:
         out = attend(q, k, v, spec, backend)
         out.backward(torch.ones_like(out))
     assert probe.largest < B * L * L, probe.largest
     # and the probe does see the reference path's B×L×L mask
-    reference = _LargestTensor()
+    reference = LargestTensor()
     with reference:
         attend(q, k, v, spec, "reference")
     assert reference.largest >= B * L * L

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     AutoModelForMaskedLM,
     BertConfig,
@@ -20,26 +19,21 @@ from retromae_ds.hfutil import load_pretrained
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder, set_attention_dropout
 from retromae_ds.modeling.long_attention import NAME, broadcast_padding_mask, use_broadcast_mask
 
-SMALL = dict(
-    vocab_size=100,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+from helpers_model import SMALL_CONFIG, LargestTensor
 
 
 def _model(kind: str, positions: int = 512, impl: str = "sdpa"):
     torch.manual_seed(0)
     if kind == "bert":
         return BertForMaskedLM(
-            BertConfig(max_position_embeddings=positions, attn_implementation=impl, **SMALL)
+            BertConfig(max_position_embeddings=positions, attn_implementation=impl, **SMALL_CONFIG)
         )
     return RobertaForMaskedLM(
         RobertaConfig(
-            max_position_embeddings=positions + 2, pad_token_id=1, attn_implementation=impl, **SMALL
+            max_position_embeddings=positions + 2,
+            pad_token_id=1,
+            attn_implementation=impl,
+            **SMALL_CONFIG,
         )
     )
 
@@ -81,28 +75,14 @@ def test_same_outputs_and_gradients_as_sdpa_and_eager(kind, pad):
         assert torch.allclose(g_ours[k], g_sdpa[k], rtol=1e-4, atol=1e-6), k
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor):
-                # storage actually held, not the size of a stride-0 view
-                self.largest = max(self.largest, o.untyped_storage().nbytes() // o.element_size())
-        return out
-
-
 def test_a_padded_long_batch_never_holds_an_l_by_l_tensor():
     length = 1024
     ids, mask = _batch(length, 0)
     plain, ours = _model("bert", length), _model("bert", length)
     use_broadcast_mask(ours)
-    with _Largest() as seen_plain:
+    with LargestTensor(storage=True) as seen_plain:
         _run(plain.train(), ids, mask)
-    with _Largest() as seen_ours:
+    with LargestTensor(storage=True) as seen_ours:
         _run(ours.train(), ids, mask)
     assert seen_plain.largest >= length * length  # sdpa's own path does materialise it
     assert seen_ours.largest < length * length, seen_ours.largest

@@ -18,34 +18,28 @@ from transformers import (
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.positions import extend_positions, position_offset, usable_positions
 
-SMALL = dict(
-    vocab_size=100,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+from helpers_model import SMALL_CONFIG
 
 
 def _bert():
     torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(max_position_embeddings=64, pad_token_id=0, **SMALL)).eval()
+    return BertForMaskedLM(
+        BertConfig(max_position_embeddings=64, pad_token_id=0, **SMALL_CONFIG)
+    ).eval()
 
 
 def _roberta():
     torch.manual_seed(0)
     # RoBERTa numbers positions from padding_idx + 1: 66 rows, 64 usable positions
     return RobertaForMaskedLM(
-        RobertaConfig(max_position_embeddings=66, pad_token_id=1, **SMALL)
+        RobertaConfig(max_position_embeddings=66, pad_token_id=1, **SMALL_CONFIG)
     ).eval()
 
 
 def _xlmr():
     torch.manual_seed(0)
     return XLMRobertaForMaskedLM(
-        XLMRobertaConfig(max_position_embeddings=66, pad_token_id=1, **SMALL)
+        XLMRobertaConfig(max_position_embeddings=66, pad_token_id=1, **SMALL_CONFIG)
     ).eval()
 
 

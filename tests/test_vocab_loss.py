@@ -8,14 +8,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import RobertaConfig, RobertaForMaskedLM
 
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.vocab_loss import head_parts, linear_cross_entropy
 
-from helpers_model import SPECIAL, batch_of
+from helpers_model import SPECIAL, LargestTensor, batch_of
 
 
 def _problem(n=37, h=16, v=50, dtype=torch.float32, seed=0):
@@ -79,28 +78,13 @@ def test_only_what_needs_a_gradient_gets_one_and_no_grad_works():
     assert torch.allclose(again, loss.detach())
 
 
-class _Sizes(TorchDispatchMode):
-    """Records the largest tensor any op creates."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for o in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(o, torch.Tensor):
-                self.largest = max(self.largest, o.numel())
-        return out
-
-
 def test_no_n_by_v_tensor_is_created_forward_or_backward():
     n, h, v, chunk = 512, 8, 1000, 16
     x, w, b, t = _problem(n=n, h=h, v=v)
-    with _Sizes() as chunked:
+    with LargestTensor() as chunked:
         loss, _ = linear_cross_entropy(x, w, b, t, chunk)
         loss.backward()
-    with _Sizes() as plain:
+    with LargestTensor() as plain:
         _plain(x, w, b, t)[0].backward()
     assert plain.largest >= n * v  # the detector sees the plain path's logits
     assert chunked.largest <= max(chunk * v, v * h, n * h), chunked.largest

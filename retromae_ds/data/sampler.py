@@ -123,11 +123,16 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         local = np.arange(start, max(start, stop), dtype=np.int64)
         global_pos = local * self.num_replicas + self.rank
         global_pos %= self.num_samples  # "pad" wraps onto the start of the order
-        if not self.shuffle:
-            return global_pos
+        return self._order(global_pos) if self.shuffle else global_pos
+
+    def _order(self, global_pos: np.ndarray) -> np.ndarray:
+        """Sample indices at positions ``global_pos`` of the current epoch's order."""
+        return self._permutation()(global_pos)
+
+    def _permutation(self) -> FeistelPermutation:
         if self._perm is None:
             self._perm = FeistelPermutation(self.num_samples, _epoch_key(self.seed, self.epoch))
-        return self._perm(global_pos)
+        return self._perm
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -206,10 +211,7 @@ class LengthGroupedSampler(ResumableDistributedSampler):
         self.lengths, self.block, self.group_blocks = lengths, block, group_blocks
         self._groups: dict[tuple[int, int], np.ndarray] = {}
 
-    def indices(self, start: int, stop: int) -> np.ndarray:
-        stop = min(stop, len(self))
-        local = np.arange(start, max(start, stop), dtype=np.int64)
-        global_pos = (local * self.num_replicas + self.rank) % self.num_samples
+    def _order(self, global_pos: np.ndarray) -> np.ndarray:
         size = self.block * self.group_blocks
         out = np.empty_like(global_pos)
         groups = global_pos // size
@@ -224,11 +226,9 @@ class LengthGroupedSampler(ResumableDistributedSampler):
         cached = self._groups.get(key)
         if cached is not None:
             return cached
-        if self._perm is None:
-            self._perm = FeistelPermutation(self.num_samples, _epoch_key(self.seed, self.epoch))
         size = self.block * self.group_blocks
         begin, end = g * size, min((g + 1) * size, self.num_samples)
-        members = self._perm(np.arange(begin, end, dtype=np.int64))
+        members = self._permutation()(np.arange(begin, end, dtype=np.int64))
         n = np.asarray(self.lengths(members), dtype=np.int64)
         if n.shape != members.shape:
             raise ValueError(f"lengths() gave {n.shape} lengths for {members.shape} samples")
