@@ -159,6 +159,15 @@ def test_false_negative_filter_by_hand():
         drop_likely_positives(ranked, scores, np.array([0.1, 0.1]), 0.0)
 
 
+def test_refresh_config_refuses_bad_values_by_name():
+    from retromae_ds.ance.refresh_config import RefreshConfig
+
+    with pytest.raises(ValueError, match="refresh.threads must be >= 0, got -1"):
+        RefreshConfig(threads=-1)
+    with pytest.raises(ValueError, match="max_score_ratio must be in"):
+        RefreshConfig(max_score_ratio=1.5)
+
+
 def test_top_strategy_skips_the_first_non_positives():
     ranked = np.array([[5, 0, 6, 7, 1, 8, 9]])
     got = mine(ranked, [np.array([0, 1])], 2, strategy="top", skip_top=1, num_passages=10)

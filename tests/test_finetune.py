@@ -163,13 +163,16 @@ def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
     ]  # fmt: skip
     run = tmp_path / "run"
     finetune(run, *common, "--refresher", "local", "--refresher_device", "cpu",
-             "--refresh.poll_s", "0.2", "--refresh.progress", "false")  # fmt: skip
+             "--refresh.poll_s", "0.2", "--refresh.progress", "false",
+             "--refresh.threads", "1")  # fmt: skip
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["negatives_version"] >= 1, rows[0]
     first = json.loads(handoff.manifest_file(run / "negatives", 1).read_text())
     assert first["source"] == "model" and first["step"] == 0, first
-    assert "from step_00000000" in (run / "refresher.log").read_text()
+    log = (run / "refresher.log").read_text()
+    assert "from step_00000000" in log
+    assert "refresh: 1 torch CPU threads" in log, log[-2000:]  # --refresh.threads 1
 
     with pytest.raises(AssertionError, match="no mined negatives within 2 s"):
         finetune(tmp_path / "alone", *common, "--negatives.mine_first_timeout_s", "2")

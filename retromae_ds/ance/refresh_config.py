@@ -42,6 +42,10 @@ class RefreshConfig:
     bf16_cpu: bool = False
     """Also encode under bf16 autocast on CPU (≈ 2× faster where the CPU has AVX512-BF16 or
     AMX; slower where it has neither)."""
+    threads: int = 0
+    """Torch CPU threads of each refresher rank (0: torch's default, one per core). A CPU
+    refresher beside a CPU trainer on the same cores: 1, so the two do not oversubscribe them
+    (benchmarks/bench_refresher_threads.py)."""
     poll_s: float = 5.0
     """Seconds between looks for a new checkpoint."""
     min_new_steps: int = 1
@@ -64,6 +68,8 @@ class RefreshConfig:
             raise ValueError(f"refresh.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
         if self.index not in ("auto", "faiss", "torch"):
             raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
+        if self.threads < 0:
+            raise ValueError(f"refresh.threads must be >= 0, got {self.threads}")
         if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
             raise ValueError("refresh: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
         if not 0 <= self.max_score_ratio <= 1:

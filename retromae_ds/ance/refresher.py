@@ -318,6 +318,9 @@ def run_refresher(cfg: RefreshConfig) -> int:
     """Refresh until told to stop (see the module docstring); returns versions published."""
     if not cfg.run_dir:
         raise ValueError("refresh: --run_dir is required")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    print(f"refresh: {torch.get_num_threads()} torch CPU threads", file=sys.stderr, flush=True)
     started = time.time()
     group = _Group(cfg.timeout_s)
     layout = RunLayout(cfg.run_dir)
