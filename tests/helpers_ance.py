@@ -89,3 +89,16 @@ def scifact_slice(src: Path, dst: Path, extra_docs: int) -> Path:
     for split in ("train", "test"):
         shutil.copy(src / "qrels" / f"{split}.tsv", dst / "qrels" / f"{split}.tsv")
     return dst
+
+
+def assert_refresher_threads(log: str, threads: int) -> None:
+    """A refresher run with ``--refresh.threads threads`` and ``mine_first``: the step-0
+    version (the trainer waits) used torch's default threads, every later one ``threads``."""
+    import re
+
+    lines = re.findall(r"refresh: (\d+) torch CPU threads \(step (\d+); default (\d+)\)", log)
+    assert lines, log[-2000:]
+    for count, step, default in lines:
+        expected = int(default) if int(step) == 0 else threads
+        assert int(count) == expected, (step, count, expected, lines)
+    assert int(lines[0][1]) == 0, lines  # mine_first: the first version is the init's

@@ -17,7 +17,14 @@ from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import mine
 
-from helpers_ance import ENV, REPO, scifact_slice, write_synthetic_beir, write_tiny_encoder
+from helpers_ance import (
+    ENV,
+    REPO,
+    assert_refresher_threads,
+    scifact_slice,
+    write_synthetic_beir,
+    write_tiny_encoder,
+)
 
 
 def finetune(run_dir: Path, *overrides: str, ranks: int = 1, timeout: int = 600):
@@ -172,7 +179,7 @@ def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
     assert first["source"] == "model" and first["step"] == 0, first
     log = (run / "refresher.log").read_text()
     assert "from step_00000000" in log
-    assert "refresh: 1 torch CPU threads" in log, log[-2000:]  # --refresh.threads 1
+    assert_refresher_threads(log, 1)
 
     with pytest.raises(AssertionError, match="no mined negatives within 2 s"):
         finetune(tmp_path / "alone", *common, "--negatives.mine_first_timeout_s", "2")

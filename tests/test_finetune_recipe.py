@@ -14,6 +14,8 @@ import pytest
 
 from retromae_ds.ance import handoff
 
+from helpers_ance import assert_refresher_threads
+
 
 def _mini_scifact(src: Path, dst: Path, train: int, test: int, extra: int) -> Path:
     """``train`` train queries and ``test`` test queries of SciFact with their judged
@@ -58,6 +60,7 @@ def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
         n_hard=1,
         num_negatives=3,
         checkpoint_every=2,
+        max_score_ratio=0.95,  # the filter on, so the test sees it work in the ANCE arm
         q_max_len=32,
         p_max_len=48,
         extra_tasks={"unseen": str(beir)},
@@ -95,6 +98,12 @@ def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
     first = handoff.load_version(out / "runs" / "ance_s0" / "negatives", 1)
     assert first.manifest["source"] == "model" and first.manifest["step"] == 0
     assert first.manifest["settings"]["max_score_ratio"] == 0.95
+    # both arms draw from the recipe's top 30; the refresher ran on one thread beside training
+    for arm in ("bm25", "ance"):
+        v0 = handoff.load_version(out / "runs" / f"{arm}_s0" / "negatives", 0)
+        assert v0.manifest["settings"]["top_k"] == 30, v0.manifest
+    assert first.manifest["settings"]["top_k"] == 30
+    assert_refresher_threads((out / "runs" / "ance_s0" / "refresher.log").read_text(), 1)
     assert first.manifest["false_negative_filter"]["dropped"] >= 0
     assert results["filter"]["versions"] >= 1
 

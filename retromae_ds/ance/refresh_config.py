@@ -43,9 +43,10 @@ class RefreshConfig:
     """Also encode under bf16 autocast on CPU (≈ 2× faster where the CPU has AVX512-BF16 or
     AMX; slower where it has neither)."""
     threads: int = 0
-    """Torch CPU threads of each refresher rank (0: torch's default, one per core). A CPU
-    refresher beside a CPU trainer on the same cores: 1, so the two do not oversubscribe them
-    (benchmarks/bench_refresher_threads.py)."""
+    """Torch CPU threads of each refresher rank while the trainer trains (0: torch's default,
+    one per core). A CPU refresher beside a CPU trainer on the same cores: 1, so the two do
+    not oversubscribe them (benchmarks/bench_ance.py). A step-0 checkpoint (``mine_first``:
+    the trainer waits) is always encoded with torch's default."""
     poll_s: float = 5.0
     """Seconds between looks for a new checkpoint."""
     min_new_steps: int = 1

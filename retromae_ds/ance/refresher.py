@@ -314,13 +314,24 @@ def refresh_once(
 
 
 # --------------------------------------------------------------------------- the loop
+def _set_threads(cfg: RefreshConfig, step: int, all_threads: int) -> None:
+    """``cfg.threads`` torch threads while the trainer trains; all of them for a step-0
+    checkpoint, whose negatives the trainer waits for (``negatives.mine_first``)."""
+    want = all_threads if step == 0 or not cfg.threads else cfg.threads
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+    print(
+        f"refresh: {want} torch CPU threads (step {step}; default {all_threads})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def run_refresher(cfg: RefreshConfig) -> int:
     """Refresh until told to stop (see the module docstring); returns versions published."""
     if not cfg.run_dir:
         raise ValueError("refresh: --run_dir is required")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    print(f"refresh: {torch.get_num_threads()} torch CPU threads", file=sys.stderr, flush=True)
+    all_threads = torch.get_num_threads()
     started = time.time()
     group = _Group(cfg.timeout_s)
     layout = RunLayout(cfg.run_dir)
@@ -343,6 +354,7 @@ def run_refresher(cfg: RefreshConfig) -> int:
             continue
         if ts is None:
             ts = ance_data.load(data_dir)
+        _set_threads(cfg, action["step"], all_threads)
         try:
             refresh_once(cfg, ts, Path(action["checkpoint"]), action["version"], group)
         except (FileNotFoundError, OSError) as exc:
@@ -401,7 +413,12 @@ def _next_action(
     )
     if fresh:
         # numbered past every published version (data + manifest), whatever the pointer says
-        return {"do": "refresh", "checkpoint": str(newest), "version": handoff.next_version(root)}
+        return {
+            "do": "refresh",
+            "checkpoint": str(newest),
+            "step": ckpt.read_marker(newest)["step"],
+            "version": handoff.next_version(root),
+        }
     if done:
         return {"do": "stop", "why": "the trainer finished"}
     return {"do": "wait"}
