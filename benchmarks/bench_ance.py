@@ -16,7 +16,9 @@ Run from the repository root (a few minutes on 2 cores)::
    queries on this machine.
 3. **Trainer** (steps/s): ``retromae-ds finetune`` on a SciFact slice with MiniLM, without a
    refresher (baseline) and with ``--refresher local`` refreshing from checkpoints written
-   every few steps, so encoding competes with training for the same cores.
+   every few steps, so encoding competes with training for the same cores, once with the
+   refresher at torch's default threads and once at one (``--refresh.threads 1``); wall
+   seconds and encoding seconds per refresh beside steps/s.
 """
 
 from __future__ import annotations
