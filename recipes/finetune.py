@@ -169,7 +169,11 @@ class Recipe:
             refresher="local" if ance else "none",
             refresher_device="cpu",
             data=FinetuneDataConfig(
-                beir=str(self.beir), split="train", q_max_len=cfg.q_max_len, p_max_len=cfg.p_max_len
+                beir=str(self.beir),
+                split="train",
+                q_max_len=cfg.q_max_len,
+                p_max_len=cfg.p_max_len,
+                prepared=str(self.out / "prepared"),  # tokenized once for every run
             ),
             model=DualModelConfig(init=str(self.init)),  # pooling etc.: the init's own
             negatives=NegativesConfig(n_hard=cfg.n_hard, refresh_every=5, mine_first=ance),
@@ -179,6 +183,8 @@ class Recipe:
                 num_negatives=cfg.num_negatives,
                 max_score_ratio=cfg.max_score_ratio if ance else 0.0,
                 threads=cfg.refresh_threads,
+                # the step-0 checkpoint is the init for every seed: encoded once
+                cache_dir=str(self.out / "embedding_cache"),
                 bf16=cfg.eval_bf16,
                 bf16_cpu=cfg.eval_bf16,
                 seed=seed,

@@ -317,6 +317,8 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
     refresh = {
         **to_dict(cfg.refresh),
         "run_dir": str(layout.root),
+        # the data this trainer prepared (``data.prepared``, else RUN/data)
+        "data_dir": cfg.refresh.data_dir or str(Path(cfg.data.prepared or layout.data)),
         "device": cfg.refresher_device,
     }
     atomic_write_text(layout.refresh_config, json.dumps(refresh, indent=2))

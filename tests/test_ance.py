@@ -515,3 +515,74 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     assert overlap >= 0.9 * 3 * ts.num_queries, (overlap, 3 * ts.num_queries)
     for q in range(ts.num_queries):
         assert not set(b.of(q).tolist()) & set(ts.positives[q].tolist())
+
+
+def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokenizer_dir, capfd):
+    """Two runs from byte-identical checkpoints: the second loads the first's embeddings
+    instead of encoding and mines the same negatives; another encoder misses; a damaged
+    entry is reported and recomputed, never used."""
+    from retromae_ds.ance import refresher
+    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.refresh_config import RefreshConfig
+
+    beir = write_synthetic_beir(tmp_path / "beir")
+    data = prepared_set(tmp_path / "data", beir, tokenizer_dir)
+    ts = ance_data.load(data)
+    cache = tmp_path / "cache"
+    same = write_tiny_encoder(tmp_path / "enc_a", tokenizer_dir, seed=1)
+    other = write_tiny_encoder(tmp_path / "enc_b", tokenizer_dir, seed=2)
+    calls = []
+    real_encode = refresher.encode_rows
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["desc"])
+        return real_encode(*args, **kwargs)
+
+    def mine_from(name: str, encoder: Path, cache_dir: Path | str = cache):
+        run = tmp_path / name
+        cfg = RefreshConfig(
+            run_dir=str(run),
+            data_dir=str(data),
+            top_k=10,
+            num_negatives=3,
+            batch_size=8,
+            device="cpu",
+            cache_dir=str(cache_dir),
+            progress=False,
+        )
+        publish_bm25(cfg, ts, RunLayout(run).negatives)
+        checkpoint = fake_checkpoint(run, 0, encoder)
+        calls.clear()
+        manifest = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+        return manifest, handoff.load_current(run / "negatives"), list(calls)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(refresher, "encode_rows", counting)
+        first, neg_first, enc = mine_from("a", same)
+        assert first["embedding_cache"] == {"passages": "miss", "queries": "miss"}
+        assert enc == ["passages r0", "queries r0"]
+        entries = sorted(cache.glob("*.npy"))
+        assert len(entries) == 2 and len(list(cache.glob("*.json"))) == 2
+
+        second, neg_second, enc = mine_from("b", same)
+        assert second["embedding_cache"] == {"passages": "hit", "queries": "hit"}
+        assert enc == []  # nothing encoded
+        for q in range(ts.num_queries):
+            assert neg_second.of(q).tolist() == neg_first.of(q).tolist()
+
+        third, _, enc = mine_from("c", other)  # other weights: other keys
+        assert third["embedding_cache"] == {"passages": "miss", "queries": "miss"}
+        assert enc == ["passages r0", "queries r0"] and len(list(cache.glob("*.npy"))) == 4
+
+        # a damaged entry (here: another array's bytes) is recomputed and replaced
+        np.save(entries[0], np.zeros((3, 5), np.float32))
+        capfd.readouterr()
+        fourth, neg_fourth, enc = mine_from("d", same)
+        assert "recomputing it" in capfd.readouterr().err
+        assert sorted(fourth["embedding_cache"].values()) == ["hit", "miss"] and len(enc) == 1
+        for q in range(ts.num_queries):
+            assert neg_fourth.of(q).tolist() == neg_first.of(q).tolist()
+        assert np.load(entries[0]).shape != (3, 5)
+
+        off, _, enc = mine_from("e", same, cache_dir="")
+        assert off["embedding_cache"] == {"passages": "off", "queries": "off"} and len(enc) == 2

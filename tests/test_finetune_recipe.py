@@ -126,6 +126,19 @@ def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
     Recipe(cfg).run("again")
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.log")} == logs
 
+    # every run trained on the data tokenized once; another seed's ANCE run mines its first
+    # version from a step-0 checkpoint identical to seed 0's: loaded from the embedding
+    # cache, not encoded again; its later versions are its own
+    assert not any((out / "runs").glob("*/data")) and (out / "prepared" / "READY").is_file()
+    assert first.manifest["embedding_cache"] == {"passages": "miss", "queries": "miss"}
+    Recipe(RecipeConfig(**{**vars(cfg), "seeds": [1], "arms": ["ance"]})).run("seed 1")
+    again = handoff.load_version(out / "runs" / "ance_s1" / "negatives", 1)
+    assert again.manifest["step"] == 0
+    assert again.manifest["embedding_cache"] == {"passages": "hit", "queries": "hit"}
+    for v in handoff.published_versions(out / "runs" / "ance_s1" / "negatives")[2:]:
+        later = handoff.load_version(out / "runs" / "ance_s1" / "negatives", v)
+        assert later.manifest["embedding_cache"] == {"passages": "miss", "queries": "miss"}
+
 
 def _versions(run: Path) -> list[tuple[int, int]]:
     from recipes.finetune import _versions_by_step

@@ -47,6 +47,11 @@ class RefreshConfig:
     one per core). A CPU refresher beside a CPU trainer on the same cores: 1, so the two do
     not oversubscribe them (benchmarks/bench_ance.py). A step-0 checkpoint (``mine_first``:
     the trainer waits) is always encoded with torch's default."""
+    cache_dir: str = ""
+    """Embedding cache shared between runs (``retromae_ds.ance.embed_cache``): embeddings are
+    stored under the sha256 of the encoder's files, the data, the rows, pooling and precision,
+    and loaded instead of encoded when a run meets the same again, e.g. the step-0 checkpoint
+    of every seed from one init. Empty: off. Never evicted; safe to delete."""
     poll_s: float = 5.0
     """Seconds between looks for a new checkpoint."""
     min_new_steps: int = 1

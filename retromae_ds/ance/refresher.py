@@ -7,7 +7,10 @@ trainer's ``--refresher local`` subprocess) that loops:
 2. load its encoder(s) (``checkpoint/encoder``, ``query_encoder`` when not shared);
 3. encode the passages in batches, each rank its own contiguous part, written to
    ``negatives/.work/v{N}/passages_rank{r}.npy`` (temp + rename; a restarted refresher reuses
-   complete parts of the same checkpoint); the queries likewise, split over the ranks;
+   complete parts of the same checkpoint); the queries likewise, split over the ranks.
+   With ``cache_dir`` the embeddings are looked up first by content (``embed_cache``: the
+   encoder's files, the data, the rows, pooling, precision), so runs from the same init
+   encode its step-0 checkpoint once between them;
 4. each rank searches all queries in its own part (``retromae_ds.index``: faiss, on GPUs when
    usable, or exact torch matmul + top-k), so no rank ever holds the whole corpus embedding
    matrix; rank 0 merges the ranks' top-K lists (``merge_topk``, ``[Q, K]`` each);
@@ -42,6 +45,7 @@ from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
+from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
 from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine, positive_scores
 from retromae_ds.ance.model import load_body
 from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
@@ -193,32 +197,60 @@ def refresh_once(
             flush=True,
         )
 
-    t0 = time.perf_counter()
     lo, hi = _split(ts.num_passages, group.world, group.rank)
+    qlo, qhi = _split(ts.num_queries, group.world, group.rank)
+    cache = EmbeddingCache(cfg.cache_dir)
+    keys: dict[str, dict[str, Any]] = {}
+    if cache.enabled:
+        t0 = time.perf_counter()
+        base = {
+            "data": ts.fingerprint(),
+            "pooling": spec.pooling,
+            "normalize": spec.normalize,
+            "autocast": str(amp),
+            "device": device.type,
+        }
+        passage_digest = folder_digest(encoder_dir)
+        keys["passages"] = {
+            **base,
+            "encoder": passage_digest,
+            "rows": rows_digest(ts.passage_rows[lo:hi]),
+        }
+        keys["queries"] = {
+            **base,
+            "encoder": folder_digest(query_dir) if query_dir.is_dir() else passage_digest,
+            "rows": rows_digest(ts.query_rows[qlo:qhi]),
+        }
+        timings["cache_key_s"] = time.perf_counter() - t0
+    cached: dict[str, str] = {}
+
+    def encode(what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray) -> np.ndarray:
+        """``rows`` encoded, or loaded from the embedding cache (and stored there on a miss)."""
+        if not cache.enabled:
+            cached[what] = "off"
+            return encode_rows(
+                model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common
+            )
+        key = cache.key({"texts": what, **keys[what]})
+        found = cache.load(key, (len(rows), model.config.hidden_size))
+        cached[what] = "miss" if found is None else "hit"
+        if found is not None:
+            return found
+        out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)
+        cache.save(key, out, {"texts": what, **keys[what]})
+        return out
+
+    t0 = time.perf_counter()
     part_file = work / f"passages_rank{group.rank:05d}.npy"
     if part_file.is_file():  # left complete by a refresher killed later in this version
         passages = np.load(part_file)
+        cached["passages"] = "resumed"
     else:
-        passages = encode_rows(
-            passage_model,
-            ts.corpus,
-            ts.passage_rows[lo:hi],
-            ts.special,
-            desc=f"passages r{group.rank}",
-            **common,
-        )
+        passages = encode("passages", passage_model, ts.corpus, ts.passage_rows[lo:hi])
         _save_npy(part_file, passages)
     timings["encode_passages_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    qlo, qhi = _split(ts.num_queries, group.world, group.rank)
-    query_part = encode_rows(
-        query_model,
-        ts.queries,
-        ts.query_rows[qlo:qhi],
-        ts.special,
-        desc=f"queries r{group.rank}",
-        **common,
-    )
+    query_part = encode("queries", query_model, ts.queries, ts.query_rows[qlo:qhi])
     _save_npy(work / f"queries_rank{group.rank:05d}.npy", query_part)
     group.barrier()
     queries = np.concatenate(
@@ -299,6 +331,7 @@ def refresh_once(
                 "settings": mining_settings(cfg),
                 "false_negative_filter": filtered,
                 "ranks": group.world,
+                "embedding_cache": cached,
                 "timings": rounded,
             },
             keep_last=cfg.keep_last,
@@ -308,7 +341,11 @@ def refresh_once(
             dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
             f.write(json.dumps({"version": version, "step": step, **rounded, **dropped}) + "\n")
         shutil.rmtree(work, ignore_errors=True)
-        print(f"refresh: published v{version} (step {step}) {rounded}", file=sys.stderr, flush=True)
+        print(
+            f"refresh: published v{version} (step {step}) {rounded}; embedding cache {cached}",
+            file=sys.stderr,
+            flush=True,
+        )
     group.barrier()
     return manifest
 
