@@ -12,7 +12,10 @@ with ANCE negatives, several seeds, against BM25 and the un-fine-tuned model.
    (``negatives.mine_first``) and then from every checkpoint (the false-negative filter
    ``refresh.max_score_ratio`` is available and off: see ``RecipeConfig``). Both arms draw
    their negatives from the top 30 of their ranking. Pooling, normalisation and temperature are the init's own
-   (``retromae_ds.sbert``: MiniLM is mean-pooled and normalised, so cosine / 0.05).
+   (``retromae_ds.sbert``: MiniLM is mean-pooled and normalised, so cosine / 0.05). The
+   data is tokenized once (``out/prepared``) for every run, and the ANCE runs share an
+   embedding cache (``out/embedding_cache``): their step-0 checkpoints are all the init, so
+   the first seed encodes the corpus with it and the others load that.
 3. Every fine-tuned encoder, the init and BM25 on SciFact test (at the encoder's own length,
    256 tokens for MiniLM), once each; the ``curve_seeds`` runs also on the validation queries
    at every checkpoint, for the plot of nDCG@10 per step and negatives version.
