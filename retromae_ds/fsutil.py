@@ -11,6 +11,7 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -76,6 +77,19 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_save_npy(path: str | Path, array: Any) -> None:
+    """``numpy.save`` through a per-process temporary file, fsync, then rename."""
+    import numpy as np
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def sha256_file(path: str | Path) -> str:

@@ -16,26 +16,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.fsutil import atomic_save_npy, atomic_write_text, sha256_file
 
 
 def folder_digest(folder: Path) -> str:
-    """sha256 over the relative paths and bytes of every file under ``folder``."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(folder).as_posix().encode() + b"\0")
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        digest.update(b"\0")
-    return digest.hexdigest()
+    """sha256 over the relative path and sha256 of every file under ``folder``."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    listing = "".join(f"{p.relative_to(folder).as_posix()}\0{sha256_file(p)}\n" for p in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def rows_digest(rows: np.ndarray) -> str:
@@ -86,10 +80,6 @@ class EmbeddingCache:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{key}.npy"
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            np.save(f, np.asarray(array, dtype=np.float32))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # two runs writing the same key write the same bytes
+        # two runs writing the same key write the same bytes
+        atomic_save_npy(path, np.asarray(array, dtype=np.float32))
         atomic_write_text(path.with_suffix(".json"), json.dumps(parts, indent=2, sort_keys=True))

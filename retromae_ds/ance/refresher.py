@@ -51,6 +51,7 @@ from retromae_ds.ance.model import load_body
 from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
+from retromae_ds.fsutil import atomic_save_npy
 from retromae_ds.layout import ENCODER, QUERY_ENCODER, RunLayout
 from retromae_ds.tokens import SpecialIds
 
@@ -99,15 +100,6 @@ def encode_rows(
                 faults.pause("sleep_after_encode_batch_s")
     model.train(was_training)
     return out
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _split(n: int, parts: int, part: int) -> tuple[int, int]:
@@ -226,18 +218,14 @@ def refresh_once(
 
     def encode(what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray) -> np.ndarray:
         """``rows`` encoded, or loaded from the embedding cache (and stored there on a miss)."""
-        if not cache.enabled:
-            cached[what] = "off"
-            return encode_rows(
-                model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common
-            )
-        key = cache.key({"texts": what, **keys[what]})
-        found = cache.load(key, (len(rows), model.config.hidden_size))
-        cached[what] = "miss" if found is None else "hit"
+        key = cache.key({"texts": what, **keys[what]}) if cache.enabled else ""
+        found = cache.load(key, (len(rows), model.config.hidden_size)) if key else None
+        cached[what] = "off" if not key else "miss" if found is None else "hit"
         if found is not None:
             return found
         out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)
-        cache.save(key, out, {"texts": what, **keys[what]})
+        if key:
+            cache.save(key, out, {"texts": what, **keys[what]})
         return out
 
     t0 = time.perf_counter()
@@ -247,11 +235,11 @@ def refresh_once(
         cached["passages"] = "resumed"
     else:
         passages = encode("passages", passage_model, ts.corpus, ts.passage_rows[lo:hi])
-        _save_npy(part_file, passages)
+        atomic_save_npy(part_file, passages)
     timings["encode_passages_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     query_part = encode("queries", query_model, ts.queries, ts.query_rows[qlo:qhi])
-    _save_npy(work / f"queries_rank{group.rank:05d}.npy", query_part)
+    atomic_save_npy(work / f"queries_rank{group.rank:05d}.npy", query_part)
     group.barrier()
     queries = np.concatenate(
         [np.load(work / f"queries_rank{r:05d}.npy") for r in range(group.world)]
