@@ -59,7 +59,8 @@ def _run(config: dict, run_dir: Path, env: dict[str, str]) -> dict[str, float]:
         lambda: subprocess.run(
             [sys.executable, "-m", "retromae_ds.finetune", "--config", str(path)],
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # the trainer reports on stderr
             text=True,
         )
     )
