@@ -17,6 +17,8 @@ import os
 import re
 import sys
 
+from retromae_ds.errors import USER_ERRORS, run_reporting
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 
@@ -360,13 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["refresh"]:
         from retromae_ds.ance.refresher import main as refresh_main
 
-        try:
-            return refresh_main(argv[1:])
-        except (ValueError, FileNotFoundError) as exc:
-            if os.environ.get("RETROMAE_DS_DEBUG"):
-                raise
-            print(f"retromae-ds refresh: error: {exc}", file=sys.stderr)
-            return 2 if isinstance(exc, ValueError) else 1
+        return run_reporting("retromae-ds refresh", refresh_main, argv[1:])
     if argv[:1] == ["eval"]:
         from retromae_ds.eval.run import add_eval_args, cmd_eval
 
@@ -378,11 +374,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(func, args: argparse.Namespace, command: str) -> int:
-    try:
-        return func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
-        print(f"retromae-ds {command}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ValueError) else 1
+    # RuntimeError too: these commands raise it for a model folder they cannot use
+    return run_reporting(f"retromae-ds {command}", func, args, errors=(*USER_ERRORS, RuntimeError))
 
 
 if __name__ == "__main__":

@@ -106,14 +106,30 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML (``.yaml``/``.yml``) or JSON config file; a file that is not one
+    is a ValueError naming the file, line and column."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            reason = getattr(exc, "problem", None) or str(exc)
+            raise ValueError(f"{path}{where}: not valid YAML ({reason})") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
+            ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file must hold a mapping")
     return data

@@ -8,6 +8,8 @@ layout is written down once::
         config.json              the resolved training config (rank 0, every start)
         ds_config.json           the DeepSpeed dict it implies
         metrics.jsonl            one row per logged step; tensorboard/ the same for TensorBoard
+        metrics.superseded.jsonl rows a stopped run logged after its last checkpoint, moved out
+                                 by the run that resumed (so metrics.jsonl never repeats a step)
         checkpoints/
             step_00000100/       complete (see retromae_ds.checkpoint)
                 COMPLETE         completion record, written last
@@ -71,6 +73,10 @@ class RunLayout:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def metrics_superseded(self) -> Path:
+        return self.root / "metrics.superseded.jsonl"
 
     @property
     def tensorboard(self) -> Path:

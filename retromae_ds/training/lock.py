@@ -43,17 +43,47 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')} since {since}"
 
 
-def _take(layout: RunLayout) -> tuple[int | None, str | None]:
-    """(fd, None) when locked; (None, error) when another process holds it; (None, None)
-    when this filesystem cannot lock."""
-    layout.root.mkdir(parents=True, exist_ok=True)
+class RunFolderNotWritable(ValueError):
+    """The run folder (or a folder a run writes into) cannot be written."""
+
+
+def check_writable(layout: RunLayout) -> None:
+    """Create and remove a file in the run folder and in each of its folders a run writes
+    into, so that a read-only or foreign folder fails now, naming it, instead of after the
+    engine started (a permission check alone is always true for root, and a read-only mount
+    says so only when written to)."""
+    folders = [layout.root, layout.checkpoints, layout.tensorboard]
+    files = [layout.metrics, layout.config, layout.ds_config, layout.lock]
+    try:
+        layout.root.mkdir(parents=True, exist_ok=True)
+        for folder in (f for f in folders if f.is_dir()):
+            probe = folder / f".write-probe-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        for file in (f for f in files if f.exists()):
+            os.close(os.open(file, os.O_WRONLY | os.O_APPEND))
+    except OSError as exc:
+        where = exc.filename or layout.root
+        raise RunFolderNotWritable(
+            f"{where}: the run folder cannot be written ({exc.strerror or exc}); fix its "
+            "permissions or use another run_dir"
+        ) from None
+
+
+def _take(layout: RunLayout) -> tuple[int | None, ValueError | None]:
+    """(fd, None) when locked; (None, error) when another process holds it or the folder is
+    not writable; (None, None) when this filesystem cannot lock."""
+    try:
+        check_writable(layout)
+    except RunFolderNotWritable as exc:
+        return None, exc
     fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _describe(_holder(fd))
         os.close(fd)
-        return None, (
+        return None, RunFolderBusy(
             f"{layout.root}: another run is writing into this folder ({holder}; lock file "
             f"{layout.lock}); wait for it to end or use another run_dir"
         )
@@ -91,7 +121,7 @@ def hold_run_folder(layout: RunLayout, rank: int) -> Iterator[None]:
     fd, problem = _take(layout) if rank == 0 else (None, None)
     problem = eng.broadcast_object(problem)
     if problem is not None:
-        raise RunFolderBusy(problem)
+        raise problem  # a ValueError on every rank: one line, exit 2
     try:
         yield
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,9 +30,10 @@ import torch
 
 from retromae_ds import engine as eng
 from retromae_ds import faults
-from retromae_ds.checkpoint import CheckpointManager, Restored
+from retromae_ds.checkpoint import CheckpointManager, Restored, latest_complete, read_marker
 from retromae_ds.config import to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.errors import USER_ERRORS, DiskFull, disk_full_error, run_reporting
 from retromae_ds.layout import RunLayout
 from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.training.config import RunConfig
@@ -83,6 +85,15 @@ def check_resume_config(cfg: RunConfig, saved: Path) -> None:
             f"{saved}; these change what the resumed steps compute. Keep them, or start a new "
             "run_dir (or --resume none to start over)"
         )
+
+
+def _recorded_bytes(checkpoint: Path) -> int | None:
+    """The bytes a complete checkpoint's record lists: about what the next one needs."""
+    try:
+        files = read_marker(checkpoint).get("files", {})
+    except (OSError, ValueError):
+        return None
+    return sum(int(f["bytes"]) for f in files.values()) or None
 
 
 class NonFiniteLoss(RuntimeError):
@@ -201,18 +212,37 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------
     def save(self, step: int, hooks: Hooks) -> None:
-        """A complete checkpoint of ``step`` (collective: every rank calls it)."""
-        self.checkpoints.save(
-            self.engine,
-            step,
-            rank_state={
-                "sampler": self.sampler.state_dict(),
-                "seen": dict(self.seen),
-                **hooks.rank_state(),
-            },
-            marker=hooks.marker(),
-            write_models=hooks.write_models,
-        )
+        """A complete checkpoint of ``step`` (collective: every rank calls it). A full disk is
+        one error naming the folder and the space needed; the partial folder is removed and
+        the newest complete checkpoint stays the one a rerun resumes from."""
+        try:
+            self.checkpoints.save(
+                self.engine,
+                step,
+                rank_state={
+                    "sampler": self.sampler.state_dict(),
+                    "seen": dict(self.seen),
+                    **hooks.rank_state(),
+                },
+                marker=hooks.marker(),
+                write_models=hooks.write_models,
+            )
+        except Exception as exc:
+            newest = latest_complete(self.layout.checkpoints)
+            needed = _recorded_bytes(newest) if newest is not None else None
+            full = disk_full_error(
+                exc, self.layout.checkpoints, f"the checkpoint of step {step}", needed
+            )
+            if full is None:
+                raise
+            if self.dist.rank == 0:  # give the space back; a partial folder is never read
+                shutil.rmtree(self.layout.staging(step), ignore_errors=True)
+            kept = f"step {read_marker(newest)['step']}" if newest is not None else "none yet"
+            raise DiskFull(
+                f"{full}; the newest complete checkpoint ({kept}) is intact: free space and "
+                "rerun with --resume auto",
+                full.folder,
+            ) from exc
 
     # -- the loop -----------------------------------------------------------------------
     def fit(self, batches: Iterator[dict[str, torch.Tensor]], hooks: Hooks) -> dict[str, Any]:
@@ -354,7 +384,8 @@ def run_main(
     """The command line of a training entry point: ``--config FILE``, ``--resume``, any
     ``--section.field VALUE`` (``--help`` lists them all); exits with EXIT_REQUEUE after a stop
     signal. A bad config or input prints one line, ``PROG: error: ...``, and exits 2 (1 for a
-    missing file or a non-finite loss); ``RETROMAE_DS_DEBUG=1`` shows the traceback instead."""
+    missing file, a full disk or a non-finite loss); ``RETROMAE_DS_DEBUG=1`` shows the traceback
+    instead (``retromae_ds.errors``)."""
     import argparse
     import os
 
@@ -373,14 +404,12 @@ def run_main(
         overrides += ["--checkpoint.resume", args.resume]
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    try:
-        cfg = build_config(config_cls, args.config, overrides)
-        run(cfg)
-    except StopRequested:
-        return EXIT_REQUEUE
-    except (ValueError, FileNotFoundError, NonFiniteLoss) as exc:
-        if os.environ.get("RETROMAE_DS_DEBUG"):
-            raise
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, ValueError) else 1
-    return 0
+
+    def build_and_run() -> int:
+        try:
+            run(build_config(config_cls, args.config, overrides))
+        except StopRequested:
+            return EXIT_REQUEUE
+        return 0
+
+    return run_reporting(prog, build_and_run, errors=(*USER_ERRORS, NonFiniteLoss))
