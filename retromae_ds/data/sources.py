@@ -18,6 +18,7 @@ import gzip
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -282,8 +283,29 @@ def _decode(raw: bytes, line_no: int, reject) -> str | None:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        reject(line_no, f"invalid UTF-8 at byte {exc.start} of the line")
+        reject(line_no, invalid_utf8(raw, exc))
         return None
+
+
+def invalid_utf8(raw: bytes, exc: UnicodeDecodeError) -> str:
+    """The reason for a line that is not UTF-8: the first bad byte and its 1-based column in
+    characters (everything before it decodes), so an editor finds it."""
+    column = len(raw[: exc.start].decode("utf-8")) + 1
+    return f"invalid UTF-8 (byte 0x{raw[exc.start]:02x} at column {column})"
+
+
+def text_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line without its line break) of a UTF-8 text file (``.gz``
+    too). Read as bytes and decoded line by line: text-mode reading decodes 8 KiB blocks and
+    reports a bad byte by its offset in a block, naming neither the file nor the line; here it
+    is an InputError ``path:line: invalid UTF-8 (byte 0xNN at column N)``."""
+    with _open_binary(str(path)) as f:
+        for line_no, raw in enumerate(f, start=1):
+            raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{line_no}: {invalid_utf8(raw, exc)}") from None
 
 
 def _read_txt(
