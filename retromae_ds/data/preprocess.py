@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -32,7 +33,7 @@ import shutil
 import socket
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -437,8 +438,19 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
         atomic_write_text(out / PLAN_NAME, dump_json(plan))
 
     mine = [u for u in units if u.index % cfg.num_tasks == cfg.task_index]
-    todo = [u for u in mine if not _unit_complete(shard_dir, u.index)]
-    for u in todo:  # leftovers of a killed run of this unit; never visible as shards
+    problems = _shard_problems(shard_dir, [u.index for u in mine])
+    todo = [u for u in mine if problems[u.index] is not None]
+    for u in todo:
+        if problems[u.index]:  # kept from an earlier run, but changed since: say so
+            print(
+                f"preprocess: {shard_dir / shard_name(u.index)}{schema.SHARD_SUFFIX}: "
+                f"{problems[u.index]}; redoing it",
+                file=sys.stderr,
+                flush=True,
+            )
+        # its completion record goes first, so a kill while redoing it never leaves the old
+        # record next to another shard; then a killed run's leftovers of this unit
+        (shard_dir / f"{shard_name(u.index)}.json").unlink(missing_ok=True)
         for stale in shard_dir.glob(f"{shard_name(u.index)}.arrow.tmp*"):
             stale.unlink()
     backend_file = _temporary(out, "backend", ".json")
@@ -452,7 +464,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
         backend_file.unlink(missing_ok=True)
     elapsed = time.perf_counter() - started
     if cfg.num_tasks == 1:
-        manifest = merge(out, progress=False)
+        # every shard was just checked against its record (kept ones) or written (the rest)
+        manifest = merge(out, progress=False, check_content=False)
         _print_summary(manifest["counts"], len(manifest["shards"]), elapsed, stats)
         return manifest
     marker = out / "tasks" / f"task-{cfg.task_index:05d}-of-{cfg.num_tasks:05d}.json"
@@ -472,15 +485,40 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     return summary
 
 
-def _unit_complete(shard_dir: Path, unit_index: int) -> bool:
-    record = shard_dir / f"{shard_name(unit_index)}.json"
+def _shard_problems(
+    shard_dir: Path, unit_indices: list[int], check_content: bool = True
+) -> dict[int, str | None]:
+    """Per unit: None when its shard can be kept, "" when it was never finished (no shard or
+    no completion record: a killed run), else why the shard no longer matches its record.
+    With ``check_content`` the shard's sha256 is compared with the one its record holds
+    (every byte read once; threads, as hashlib releases the GIL), so a shard changed after it
+    was written is redone, never kept under a manifest it does not match."""
+    if not unit_indices:
+        return {}
+    check = functools.partial(_shard_problem, shard_dir, check_content=check_content)
+    with ThreadPoolExecutor(min(8, len(unit_indices), os.cpu_count() or 1)) as pool:
+        return dict(zip(unit_indices, pool.map(check, unit_indices), strict=True))
+
+
+def _shard_problem(shard_dir: Path, unit_index: int, check_content: bool) -> str | None:
+    record_path = shard_dir / f"{shard_name(unit_index)}.json"
     shard = shard_dir / f"{shard_name(unit_index)}{schema.SHARD_SUFFIX}"
-    if not (record.exists() and shard.exists()):
-        return False
+    if not (record_path.exists() and shard.exists()):
+        return ""
     try:
-        return json.loads(record.read_text())["bytes"] == shard.stat().st_size
-    except (ValueError, KeyError):
-        return False
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        size, sha = record["bytes"], record["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return f"its completion record {record_path.name} is unreadable"
+    try:
+        actual = shard.stat().st_size
+        if actual != size:
+            return f"{actual} bytes, its completion record says {size}"
+        if check_content and sha256_file(shard) != sha:
+            return "its sha256 differs from its completion record (changed after it was written)"
+    except OSError as exc:
+        return f"cannot read it ({exc.strerror or exc})"
+    return None
 
 
 def _run_units(
@@ -546,16 +584,26 @@ def _completed(pool: ProcessPoolExecutor, todo: list[Unit]):
         ) from e
 
 
-def merge(out: Path, progress: bool = True) -> dict[str, Any]:
+def merge(out: Path, progress: bool = True, check_content: bool = True) -> dict[str, Any]:
     """Write ``manifest.json`` (and ``rejects.jsonl``) over every unit's shard. Fails, naming
-    the missing units and their tasks, unless every unit of the plan is complete."""
+    the missing units and their tasks, unless every unit of the plan is complete and (with
+    ``check_content``) every shard still has the sha256 its completion record holds."""
     plan_path = out / PLAN_NAME
     if not plan_path.exists():
         raise FileNotFoundError(f"{plan_path}: no plan; run preprocessing before --merge")
     plan = json.loads(plan_path.read_text(encoding="utf-8"))
     shard_dir = out / "shards"
     units = plan["units"]
-    missing = [u["index"] for u in units if not _unit_complete(shard_dir, u["index"])]
+    problems = _shard_problems(shard_dir, [u["index"] for u in units], check_content)
+    changed = {i: p for i, p in problems.items() if p}
+    if changed:
+        index, problem = next(iter(sorted(changed.items())))
+        raise RuntimeError(
+            f"{shard_dir / shard_name(index)}{schema.SHARD_SUFFIX}: {problem}"
+            f"{f' (and {len(changed) - 1} more shards)' if len(changed) > 1 else ''}; "
+            f"{_owner(out, index)} to redo it, then --merge"
+        )
+    missing = [i for i, p in problems.items() if p is not None]
     if missing:
         raise RuntimeError(
             f"{out}: {len(missing)} of {len(units)} shards are not complete (first: "
@@ -592,6 +640,21 @@ def merge(out: Path, progress: bool = True) -> dict[str, Any]:
         )
     atomic_write_text(out / schema.MANIFEST_NAME, dump_json(manifest))
     return manifest
+
+
+def _owner(out: Path, unit_index: int) -> str:
+    """Which task to rerun for a unit, from the tasks' completion markers."""
+    for marker in sorted((out / "tasks").glob("task-*.json")):
+        try:
+            task = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if unit_index in task.get("units", ()):
+            return (
+                f"rerun task {task['task_index']} of {task['num_tasks']} "
+                f"(--task-index {task['task_index']})"
+            )
+    return "rerun the preprocessing task that wrote it"
 
 
 def _warn_about_empty_inputs(plan: dict, records: list[dict], counts: dict) -> None:
