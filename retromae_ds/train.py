@@ -23,7 +23,7 @@ import torch
 
 from retromae_ds import engine as eng
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
-from retromae_ds.data.dataset import ShardDataset
+from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
 from retromae_ds.eval.periodic import EvalConfig
 from retromae_ds.layout import ENCODER, RunLayout
@@ -84,16 +84,40 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return _train(cfg, stop, dist)
 
 
+def check_max_length(requested: int, manifest: dict[str, Any], shards: str) -> int:
+    """The model sequence length: ``data.max_length``, or the manifest's when 0. Raises,
+    naming both lengths and where each comes from, when it cannot hold the shards' longest
+    row plus [CLS] and [SEP]."""
+    max_length = requested or manifest["max_length"]
+    rows = manifest["max_tokens_per_row"]
+    needed = rows + SPECIAL_TOKENS
+    if max_length >= needed:
+        return max_length
+    have = (
+        f"data.max_length {max_length}"
+        if requested
+        else f"max_length {max_length} in {Path(shards) / 'manifest.json'} (data.max_length 0)"
+    )
+    fix = (
+        f"set data.max_length to {needed} or more (0 takes the shards' own)"
+        if requested
+        else "the manifest's max_length and max_tokens_per_row disagree (edited or damaged): "
+        f"check it with retromae-ds inspect {shards} --verify, or set data.max_length {needed}"
+    )
+    raise ValueError(
+        f"{have} is shorter than the shards' samples: their rows hold up to {rows} tokens + "
+        f"{SPECIAL_TOKENS} special tokens = {needed} (max_tokens_per_row + [CLS], [SEP]); {fix}"
+    )
+
+
 def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
+    # opening checks every shard is there, has its size and can be read: a shard this user
+    # cannot read stops the run here, naming it, before the engine is built
     data = ShardDataset(cfg.data.shards)
     manifest = data.manifest
-    max_length = cfg.data.max_length or manifest["max_length"]
-    if max_length < manifest["max_tokens_per_row"] + 2:
-        raise ValueError(
-            f"data.max_length {max_length} is shorter than the shards' rows ({manifest['max_length']})"
-        )
+    max_length = check_max_length(cfg.data.max_length, manifest, cfg.data.shards)
     special = SpecialIds.from_fingerprint(manifest["tokenizer"])
     has_decoder = cfg.model.objective.name != "mlm"
     collator = PretrainCollator(

@@ -108,6 +108,38 @@ class _Shard:
         return self._batch.column(schema.CHUNK_INDEX)[row].as_py()
 
 
+SPECIAL_TOKENS = 2
+"""Tokens the collators add around every sample ([CLS] and [SEP])."""
+
+
+def _readable_size(path: Path) -> int:
+    """The size of a shard that this process can open for reading, or one clear error naming
+    it: checked for every shard when the dataset opens, so an unreadable one stops a run
+    before training starts instead of at the step that first samples from it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: shard listed in the manifest is missing") from None
+    except OSError as exc:
+        hint = " (check its permissions)" if isinstance(exc, PermissionError) else ""
+        raise type(exc)(f"{path}: cannot read the shard: {exc.strerror or exc}{hint}") from None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _disagrees(
+    manifest: Path, field: str, claimed: Any, actual: Any, how: str | None = None
+) -> str:
+    """The one-line error for a manifest field the shards contradict."""
+    detail = f" ({how})" if how else ""
+    return (
+        f"{manifest}: {field} is {claimed} in the manifest, the shards hold {actual}{detail}; "
+        "the manifest does not describe these shards (edited or damaged): re-run preprocessing"
+    )
+
+
 def _offsets_view(col: pa.ListArray) -> np.ndarray:
     offsets = col.offsets.to_numpy(zero_copy_only=True)
     if col.values.offset:
@@ -172,12 +204,11 @@ class ShardDataset:
                 "or every record was rejected; re-run preprocessing on inputs with text"
             )
         self._paths = [self.folder / s["file"] for s in shards]
-        for path, meta in zip(self._paths, shards, strict=True):
-            if not path.exists():
-                raise FileNotFoundError(f"{path}: shard listed in the manifest is missing")
-            if path.stat().st_size != meta["bytes"]:
+        for k, (path, meta) in enumerate(zip(self._paths, shards, strict=True)):
+            size = _readable_size(path)
+            if size != meta["bytes"]:
                 raise ValueError(
-                    f"{path}: {path.stat().st_size} bytes, manifest says {meta['bytes']}"
+                    _disagrees(manifest_path, f"shards[{k}].bytes", meta["bytes"], size, str(path))
                 )
         if verify:
             for path, meta in zip(self._paths, shards, strict=True):
@@ -185,10 +216,81 @@ class ShardDataset:
                     raise ValueError(
                         f"{path}: sha256 differs from the manifest; the shard is corrupt"
                     )
+            self._check_manifest_against_shards(manifest_path)
         self._open: dict[int, _Shard] = {}
         self._pid = os.getpid()
         self._len = int(self._starts[-1])
         self._starts_list = self._starts.tolist()  # bisect on a list beats np.searchsorted per call
+
+    def _check_manifest_against_shards(self, manifest_path: Path) -> None:
+        """``verify``: every count and length the manifest states, recomputed from the shards
+        (a hand-edited manifest passes the sha256 check, which covers the shards only)."""
+        shards = self.manifest["shards"]
+        totals = {"rows": 0, "packs": 0, "tokens": 0}
+        longest_row = longest_sample = 0
+        for k, (path, meta) in enumerate(zip(self._paths, shards, strict=True)):
+            shard = _Shard(path)
+            rows = len(shard.offsets) - 1
+            row_lengths = np.diff(shard.offsets)
+            # packs are runs of equal, non-decreasing pack ids: a pack starts where it changes
+            starts = np.flatnonzero(np.diff(shard.pack_ids, prepend=-1)) if rows else []
+            actual = {
+                "rows": rows,
+                "packs": len(starts),
+                "tokens": int(shard.offsets[-1] - shard.offsets[0]),
+            }
+            for key, value in actual.items():
+                if meta.get(key) != value:
+                    raise ValueError(
+                        _disagrees(
+                            manifest_path, f"shards[{k}].{key}", meta.get(key), value, str(path)
+                        )
+                    )
+                totals[key] += value
+            if rows:
+                longest_row = max(longest_row, int(row_lengths.max()))
+                sample_starts = shard.offsets[starts] if self.packed else shard.offsets[:-1]
+                sample_ends = np.append(sample_starts[1:], shard.offsets[-1])
+                longest_sample = max(longest_sample, int((sample_ends - sample_starts).max()))
+        counts = self.manifest.get("counts", {})
+        for key, value in totals.items():
+            if counts.get(key) != value:
+                raise ValueError(_disagrees(manifest_path, f"counts.{key}", counts.get(key), value))
+        documents = sum(s["documents"] for s in shards)
+        if counts.get("documents") != documents:
+            raise ValueError(
+                _disagrees(
+                    manifest_path,
+                    "counts.documents",
+                    counts.get("documents"),
+                    documents,
+                    "summed over its shards' entries",
+                )
+            )
+        limit = self.manifest.get("max_tokens_per_row")
+        if not isinstance(limit, int) or longest_row > limit:
+            raise ValueError(
+                _disagrees(
+                    manifest_path,
+                    "max_tokens_per_row",
+                    limit,
+                    longest_row,
+                    "tokens in their longest row",
+                )
+            )
+        needed = longest_sample + SPECIAL_TOKENS
+        max_length = self.manifest.get("max_length")
+        if not isinstance(max_length, int) or max_length < needed:
+            raise ValueError(
+                _disagrees(
+                    manifest_path,
+                    "max_length",
+                    max_length,
+                    needed,
+                    f"their longest sample, {longest_sample} tokens, + {SPECIAL_TOKENS} special "
+                    "tokens",
+                )
+            )
 
     # ------------------------------------------------------------------ plumbing
     def __len__(self) -> int:
