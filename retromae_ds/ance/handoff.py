@@ -23,9 +23,11 @@ source, the corpus/query fingerprint it refers to, and the refresh timings.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -51,6 +53,31 @@ _VERSION_FILE = re.compile(r"^v(\d+)\.json$")
 
 class HandoffError(ValueError):
     """The ``CURRENT`` pointer is unreadable (not JSON, not a pointer); names the file."""
+
+
+class NegativesWriteError(OSError):
+    """A write under the negatives folder failed; the message names the file (and, when the
+    disk is full, the space left on it). ``errno`` is the original error's."""
+
+
+def write_error(path: Path, exc: OSError, what: str) -> NegativesWriteError:
+    """``exc`` (met writing ``what`` to ``path``) as a ``NegativesWriteError`` naming the path:
+    a full disk's ``write()`` error carries no file name of its own."""
+    if isinstance(exc, NegativesWriteError):
+        return exc
+    reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        folder = Path(path).parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        try:
+            free = shutil.disk_usage(folder).free
+            reason += f" ({free / 2**20:.1f} MiB free on the file system of {folder})"
+        except OSError:
+            pass
+    error = NegativesWriteError(f"{path}: cannot write {what}: {reason}")
+    error.errno = exc.errno
+    return error
 
 
 def data_file(root: Path, version: int) -> Path:
@@ -149,9 +176,13 @@ def publish(
         raise FileExistsError(f"{manifest_file(root, version)}: version {version} already exists")
     for stale in root.glob(".v*.tmp"):  # leftovers of a writer killed mid-write
         stale.unlink(missing_ok=True)
-    path = data_file(root, version)
-    _write_arrow(path, negatives)
-    fsync_dir(root)
+    path, mpath = data_file(root, version), manifest_file(root, version)
+    try:
+        _write_arrow(path, negatives)
+        fsync_dir(root)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise write_error(path, exc, f"negatives v{version}") from exc
     digest = sha256_file(path)
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -165,15 +196,24 @@ def publish(
         "created": time.time(),
         **(meta or {}),
     }
-    atomic_write_text(manifest_file(root, version), json.dumps(manifest, indent=2))
     pointer = {
         "version": version,
         "step": int(step),
         "path": path.name,
         "sha256": digest,
-        "manifest": manifest_file(root, version).name,
+        "manifest": mpath.name,
     }
-    atomic_write_text(root / POINTER, json.dumps(pointer))
+    # the manifest publishes the version and the pointer selects it: until the pointer is
+    # replaced, a failure removes the version's files (nothing half-published is left visible)
+    target = mpath
+    try:
+        atomic_write_text(mpath, json.dumps(manifest, indent=2))
+        target = root / POINTER
+        atomic_write_text(target, json.dumps(pointer))
+    except OSError as exc:
+        mpath.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+        raise write_error(target, exc, f"negatives v{version}") from exc
     fsync_dir(root)
     if keep_last > 0:
         for old in published_versions(root)[:-keep_last]:
