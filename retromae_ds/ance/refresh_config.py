@@ -68,12 +68,18 @@ class RefreshConfig:
     """Show progress bars while encoding and searching."""
     timeout_s: int = 1800
     """Collective timeout between the refresher's own ranks."""
+    parent_pid: int = 0
+    """Stop when this process (the trainer, for its ``--refresher local`` subprocess) is gone
+    (0: no such process). The trainer passes it on the command line, never in
+    refresh_config.json, which other refreshers of the run read too."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"refresh.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
         if self.index not in ("auto", "faiss", "torch"):
             raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
+        if self.parent_pid < 0:
+            raise ValueError(f"refresh.parent_pid must be >= 0, got {self.parent_pid}")
         if self.threads < 0:
             raise ValueError(f"refresh.threads must be >= 0, got {self.threads}")
         if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:

@@ -21,19 +21,34 @@ Versions continue from the last published one after a restart; a refresher kille
 point leaves only the hidden ``.work`` folder, never a visible partial version. An unreadable
 ``CURRENT`` pointer is reported (once) and treated as "current version unknown": the next
 checkpoint is mined into the version after the highest published one, whose publication
-replaces the bad pointer. It exits when the trainer has written ``RUN/FINISHED`` (after this
-refresher started) and no newer checkpoint is waiting, after ``max_versions`` versions, or
-after ``idle_timeout_s`` without a new checkpoint. Timings per version go to
-``RUN/refresh_metrics.jsonl`` and the manifest.
+replaces the bad pointer. It exits when the run is finished (``RUN/FINISHED``) and no
+checkpoint newer than the current negatives is waiting (at once, saying so, on a run that
+finished before it started), after ``max_versions`` versions, after ``idle_timeout_s``
+without a new checkpoint, or when the process named by ``parent_pid`` (the trainer of a local
+refresher) is gone. Timings per version go to ``RUN/refresh_metrics.jsonl`` and the manifest.
+
+Guards: one refresher per negatives folder (an ``flock`` on ``negatives/.refresher.lock``
+naming its holder; a second one fails at start naming it). A data folder (``data_dir``; by
+default the one the trainer named in ``refresh_config.json``) whose fingerprint differs from
+the one the run's negatives were mined for is refused at start. A write that fails (a full
+disk under ``negatives/``) stops the refresher with one line naming the file and the space
+left (exit 1) instead of re-encoding forever; the hidden ``.work`` parts already complete are
+reused by the next refresher once there is space. A checkpoint that cannot be read (pruned by
+the trainer meanwhile) is skipped once, not retried.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import shutil
+import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +66,7 @@ from retromae_ds.ance.model import load_body
 from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
-from retromae_ds.fsutil import atomic_save_npy
+from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
 from retromae_ds.layout import ENCODER, QUERY_ENCODER, RunLayout
 from retromae_ds.tokens import SpecialIds
 
@@ -130,6 +145,146 @@ class _Group:
             torch.distributed.barrier()
 
 
+# --------------------------------------------------------------------------- guards
+LOCK = ".refresher.lock"
+"""In the negatives folder: held (``flock``) by the refresher writing there."""
+
+
+class RefresherBusy(ValueError):
+    """Another live refresher holds the negatives folder."""
+
+
+def _take_lock(root: Path) -> tuple[int | None, str | None]:
+    """(fd, None) when locked; (None, error) when another refresher holds it; (None, None)
+    when the filesystem cannot lock (warned)."""
+    from retromae_ds.training.lock import _describe, _holder
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise handoff.write_error(root / LOCK, exc, "the refresher's lock") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _describe(_holder(fd))
+        os.close(fd)
+        return None, (
+            f"{root}: another refresher is writing into this negatives folder ({holder}; lock "
+            f"file {root / LOCK}); stop it first, or leave this run to it"
+        )
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            print(
+                f"warning: {root / LOCK}: this filesystem cannot lock ({exc.strerror}); make "
+                "sure one refresher at a time serves this run",
+                file=sys.stderr,
+            )
+            return None, None
+        raise
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(me).encode())
+    except OSError:
+        pass  # a full disk: the lock holds all the same, only its holder goes unnamed
+    return fd, None
+
+
+@contextlib.contextmanager
+def hold_negatives(root: Path, group: _Group) -> Iterator[None]:
+    """Rank 0 holds the negatives folder's refresher lock for the duration; every rank raises
+    ``RefresherBusy`` when another refresher holds it (collective)."""
+    fd, problem = _take_lock(root) if group.rank == 0 else (None, None)
+    problem = group.broadcast(problem)
+    if problem is not None:
+        raise RefresherBusy(problem)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # a clean end leaves no holder to report
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _writing(path: Path, what: str, *leftovers: Path) -> Iterator[None]:
+    """Re-raise an ``OSError`` of the writes inside as ``handoff.NegativesWriteError`` naming
+    ``path`` (and the space left on a full disk), after removing the hidden ``leftovers`` the
+    write may have left (temporaries that would hold on to the little space there is)."""
+    try:
+        yield
+    except OSError as exc:
+        for leftover in leftovers:
+            for found in leftover.parent.glob(leftover.name):
+                found.unlink(missing_ok=True)
+        raise handoff.write_error(path, exc, what) from exc
+
+
+def _save_part(path: Path, array: np.ndarray, what: str) -> None:
+    """``atomic_save_npy`` naming the file when it fails, leaving no temporary behind."""
+    with _writing(path, what, path.with_name(f".{path.name}.tmp*")):
+        atomic_save_npy(path, array)
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON in ``path``, None when it cannot be read or parsed (a file left empty by a
+    full disk before the writes were atomic)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _process_gone(pid: int) -> bool:
+    """True when ``pid`` has exited (a zombie waiting for its parent counts as exited)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # Linux: the state letter after the command name in /proc/PID/stat
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+def _trainer_data_dir(layout: RunLayout) -> str:
+    """The data folder the trainer named in ``RUN/refresh_config.json`` ('' when absent)."""
+    try:
+        return str(json.loads(layout.refresh_config.read_text()).get("data_dir") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def check_data(ts: ance_data.TrainingSet, data_dir: Path, root: Path) -> None:
+    """Refuse a data folder whose fingerprint is not the one the run's negatives were mined
+    for (the newest published version's manifest), naming both."""
+    for version in reversed(handoff.published_versions(root)):
+        try:
+            manifest = json.loads(handoff.manifest_file(root, version).read_text())
+        except (OSError, ValueError):
+            continue
+        theirs = manifest.get("data")
+        if theirs is None:
+            continue
+        if theirs != ts.fingerprint():
+            mine_ = ts.fingerprint()
+            raise ValueError(
+                f"{data_dir}: not this run's training data: {handoff.manifest_file(root, version)}"
+                f" was mined for {theirs.get('num_passages')} passages and "
+                f"{theirs.get('num_queries')} queries with other shards, this folder holds "
+                f"{mine_['num_passages']} and {mine_['num_queries']}; point --data_dir at the "
+                "folder the trainer prepared (refresh_config.json names it)"
+            )
+        return
+
+
 # --------------------------------------------------------------------------- one refresh
 def _pick_device(cfg: RefreshConfig, local_rank: int) -> torch.device:
     device = resolve_device(cfg.device)
@@ -155,13 +310,14 @@ def refresh_once(
     step = ckpt.read_marker(checkpoint)["step"]
     meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
     if group.rank == 0:
-        if (work / "meta.json").is_file() and json.loads((work / "meta.json").read_text()) != meta:
-            shutil.rmtree(work)  # parts of another checkpoint: start over
+        if (work / "meta.json").is_file() and _read_json(work / "meta.json") != meta:
+            shutil.rmtree(work)  # parts of another checkpoint (or unknown ones): start over
         for other in (root / ".work").glob("v*") if (root / ".work").is_dir() else []:
             if other != work:
                 shutil.rmtree(other, ignore_errors=True)
-        work.mkdir(parents=True, exist_ok=True)
-        (work / "meta.json").write_text(json.dumps(meta))
+        with _writing(work / "meta.json", "the refresher's work folder"):
+            work.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(work / "meta.json", json.dumps(meta))
     group.barrier()
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -225,7 +381,16 @@ def refresh_once(
             return found
         out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)
         if key:
-            cache.save(key, out, {"texts": what, **keys[what]})
+            try:
+                cache.save(key, out, {"texts": what, **keys[what]})
+            except OSError as exc:  # the cache only saves time: say so and go on without it
+                cached[what] = "not stored"
+                print(
+                    f"refresh: embedding cache {cfg.cache_dir}: not stored "
+                    f"({handoff.write_error(Path(cfg.cache_dir), exc, 'embeddings')})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return out
 
     t0 = time.perf_counter()
@@ -235,11 +400,11 @@ def refresh_once(
         cached["passages"] = "resumed"
     else:
         passages = encode("passages", passage_model, ts.corpus, ts.passage_rows[lo:hi])
-        atomic_save_npy(part_file, passages)
+        _save_part(part_file, passages, "passage embeddings")
     timings["encode_passages_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     query_part = encode("queries", query_model, ts.queries, ts.query_rows[qlo:qhi])
-    atomic_save_npy(work / f"queries_rank{group.rank:05d}.npy", query_part)
+    _save_part(work / f"queries_rank{group.rank:05d}.npy", query_part, "query embeddings")
     group.barrier()
     queries = np.concatenate(
         [np.load(work / f"queries_rank{r:05d}.npy") for r in range(group.world)]
@@ -268,8 +433,11 @@ def refresh_once(
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, k), np.int64)
     pos_scores = positive_scores(queries, passages, lo, ts.positives)
     del index, passages
-    np.savez(work / f".topk_rank{group.rank:05d}.npz", scores=scores, ids=ids, positives=pos_scores)
-    os.replace(work / f".topk_rank{group.rank:05d}.npz", work / f"topk_rank{group.rank:05d}.npz")
+    topk = work / f"topk_rank{group.rank:05d}.npz"
+    hidden = topk.with_name(f".{topk.name}")
+    with _writing(topk, "the search results", hidden):
+        np.savez(hidden, scores=scores, ids=ids, positives=pos_scores)
+        os.replace(hidden, topk)
     timings["search_s"] = time.perf_counter() - t0
     group.barrier()
     manifest = None
@@ -325,9 +493,16 @@ def refresh_once(
             keep_last=cfg.keep_last,
         )
         manifest = json.loads(handoff.manifest_file(root, version).read_text())
-        with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
-            dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
-            f.write(json.dumps({"version": version, "step": step, **rounded, **dropped}) + "\n")
+        dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
+        try:
+            with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"version": version, "step": step, **rounded, **dropped}) + "\n")
+        except OSError as exc:  # the version is published; its timings are in its manifest too
+            print(
+                f"refresh: {layout.refresh_metrics}: timings not appended ({exc})",
+                file=sys.stderr,
+                flush=True,
+            )
         shutil.rmtree(work, ignore_errors=True)
         print(
             f"refresh: published v{version} (step {step}) {rounded}; embedding cache {cached}",
@@ -356,20 +531,31 @@ def run_refresher(cfg: RefreshConfig) -> int:
     """Refresh until told to stop (see the module docstring); returns versions published."""
     if not cfg.run_dir:
         raise ValueError("refresh: --run_dir is required")
-    all_threads = torch.get_num_threads()
-    started = time.time()
     group = _Group(cfg.timeout_s)
     layout = RunLayout(cfg.run_dir)
-    data_dir = Path(cfg.data_dir or layout.data)
+    with hold_negatives(layout.negatives, group):  # one refresher per negatives folder
+        return _refresh_loop(cfg, group, layout)
+
+
+def _refresh_loop(cfg: RefreshConfig, group: _Group, layout: RunLayout) -> int:
+    all_threads = torch.get_num_threads()
+    # the folder the trainer prepared (it names it in refresh_config.json), else RUN/data
+    data_dir = Path(cfg.data_dir or _trainer_data_dir(layout) or layout.data)
     published = 0
     last_new = time.monotonic()
     ts = None
     reported: set[str] = set()  # pointer problems already printed
+    skipped: set[str] = set()  # checkpoints that could not be read: not retried
+    parent_ppid = os.getppid()
     while True:
         action: dict[str, Any] = {"do": "wait"}
         if group.rank == 0:
-            action = _next_action(cfg, layout, data_dir, started, last_new, reported)
+            action = _next_action(cfg, layout, data_dir, last_new, reported, skipped, parent_ppid)
         action = group.broadcast(action)
+        if action.get("ready") and ts is None:
+            # refused at start: a data folder that is not the one the negatives refer to
+            ts = ance_data.load(data_dir)
+            check_data(ts, data_dir, layout.negatives)
         if action["do"] == "stop":
             if group.rank == 0:
                 print(f"refresh: stopping ({action['why']})", file=sys.stderr, flush=True)
@@ -377,16 +563,17 @@ def run_refresher(cfg: RefreshConfig) -> int:
         if action["do"] == "wait":
             time.sleep(cfg.poll_s)
             continue
-        if ts is None:
-            ts = ance_data.load(data_dir)
         _set_threads(cfg, action["step"], all_threads)
         try:
             refresh_once(cfg, ts, Path(action["checkpoint"]), action["version"], group)
+        except handoff.NegativesWriteError:
+            raise  # a full disk does not fix itself: re-encoding again would only loop
         except (FileNotFoundError, OSError) as exc:
             if group.world > 1:
                 raise
             # the trainer pruned the checkpoint while it was being read: take the next one
             print(f"refresh: skipped {action['checkpoint']}: {exc}", file=sys.stderr, flush=True)
+            skipped.add(action["checkpoint"])
             continue
         published += 1
         last_new = time.monotonic()
@@ -407,13 +594,27 @@ def _next_action(
     cfg: RefreshConfig,
     layout: RunLayout,
     data_dir: Path,
-    started: float,
     last_new: float,
     reported: set[str] | None = None,
+    skipped: set[str] | None = None,
+    parent_ppid: int | None = None,
 ) -> dict[str, Any]:
+    """Rank 0: ``{"do": "wait" | "stop" | "refresh", ...}``; ``ready`` once the data is
+    prepared and a negatives version exists (the data can then be checked)."""
     root = layout.negatives
+    if cfg.parent_pid and (
+        _process_gone(cfg.parent_pid)
+        or (cfg.parent_pid == parent_ppid and os.getppid() != parent_ppid)
+    ):
+        return {
+            "do": "stop",
+            "why": f"the trainer it serves (pid {cfg.parent_pid}) is gone",
+        }
+    # FINISHED: the trainer reached max_steps. Whenever it was written (before this refresher
+    # started too: slurm/finetune.sh and the trainer remove a previous one before they start),
+    # once nothing newer than the current negatives is left to mine, there is nothing to do.
     finished = layout.finished
-    done = finished.is_file() and finished.stat().st_mtime >= started - 1
+    done = finished.is_file()
     if cfg.idle_timeout_s and time.monotonic() - last_new > cfg.idle_timeout_s:
         return {"do": "stop", "why": f"no new checkpoint for {cfg.idle_timeout_s:.0f} s"}
     try:
@@ -427,8 +628,12 @@ def _next_action(
                 reported.add(str(exc))
     if not (data_dir / ance_data.READY).is_file() or (pointer is None and not unknown):
         # the trainer prepares the data and publishes the BM25 version first
-        return {"do": "stop", "why": "the trainer finished"} if done else {"do": "wait"}
+        return (
+            {"do": "stop", "why": f"the run is finished ({finished})"} if done else {"do": "wait"}
+        )
     newest = ckpt.latest_complete(layout.checkpoints)
+    if newest is not None and skipped and str(newest) in skipped:
+        newest = None  # unreadable once: wait for the next one
     # BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer (and so
     # it is when the current version is unknown)
     fresh = newest is not None and (
@@ -440,13 +645,23 @@ def _next_action(
         # numbered past every published version (data + manifest), whatever the pointer says
         return {
             "do": "refresh",
+            "ready": True,
             "checkpoint": str(newest),
             "step": ckpt.read_marker(newest)["step"],
             "version": handoff.next_version(root),
         }
     if done:
-        return {"do": "stop", "why": "the trainer finished"}
-    return {"do": "wait"}
+        current = (
+            f"negatives v{pointer['version']} (step {pointer['step']})"
+            if pointer
+            else "the negatives"
+        )
+        return {
+            "do": "stop",
+            "ready": True,
+            "why": f"the run is finished ({finished}) and no checkpoint is newer than {current}",
+        }
+    return {"do": "wait", "ready": True}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,8 +670,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser(
         RefreshConfig, prog="retromae-ds refresh", description=__doc__.splitlines()[0]
     )
-    cfg, _ = parse_config(RefreshConfig, parser, argv)
-    run_refresher(cfg)
+    try:
+        cfg, _ = parse_config(RefreshConfig, parser, argv)
+        run_refresher(cfg)
+    except (ValueError, OSError) as exc:
+        # one line naming the file and what to do (also under ``python -m``, where the trainer's
+        # local refresher runs and its log is read by people)
+        if os.environ.get("RETROMAE_DS_DEBUG"):
+            raise
+        todo = (
+            "; the trainer trains on with the version it has: free space there and start the "
+            "refresher again (a resumed fine-tuning starts its local one)"
+            if isinstance(exc, handoff.NegativesWriteError)
+            else ""
+        )
+        print(f"retromae-ds refresh: error: {exc}{todo}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, ValueError) else 1
     return 0
 
 
