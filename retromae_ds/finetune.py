@@ -13,7 +13,13 @@ positives removed) unless a version exists. Every ``negatives.refresh_every`` st
 reads the ``CURRENT`` pointer and, when the refresher published a newer version, all ranks
 swap to it at that step boundary; the version in use and its staleness (steps since the
 checkpoint it was mined from) are logged. If the refresher dies, training goes on with the
-last version. ``--refresher local`` starts ``retromae-ds refresh`` as a subprocess.
+last version, and the trainer says so once: a local refresher that exited is reported at the
+next look (with the last line of its log), and with ``negatives.stale_after`` N a version in
+use for N × ``refresh_every`` steps without a newer one is (any refresher: a Slurm step, one
+on another machine). ``negatives.on_stale stop`` turns either into a stop: a checkpoint of
+that step is saved, then the run fails in one line (resume once a refresher runs).
+``--refresher local`` starts ``retromae-ds refresh`` as a subprocess that dies with the
+trainer (Linux's parent-death signal, and ``--parent_pid`` polled by the refresher).
 
 Checkpoints hold ``encoder/`` (and ``query_encoder/``) as Hugging Face folders; the per-rank
 state adds the negatives version in use, so a resumed run builds the same batches as an
@@ -24,11 +30,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +120,20 @@ class NegativesConfig:
     negatives mined with the initial encoder (BM25 negatives are then never trained on)."""
     mine_first_timeout_s: float = 3600.0
     """How long to wait for those first mined negatives before failing."""
+    stale_after: int = 0
+    """Report the negatives as stale once no newer version has come for this many looks
+    (``refresh_every`` steps each) since the version in use was taken or this process
+    started: a refresher that died or hangs elsewhere (0: off). A dead local refresher is
+    reported whatever this is."""
+    on_stale: str = "warn"
+    """warn: one warning, training goes on with the version in use; stop: save a checkpoint of
+    that step, then fail in one line (``--resume auto`` goes on from it)."""
+
+    def __post_init__(self) -> None:
+        if self.stale_after < 0:
+            raise ValueError(f"negatives.stale_after must be >= 0, got {self.stale_after}")
+        if self.on_stale not in ("warn", "stop"):
+            raise ValueError(f"negatives.on_stale must be warn or stop, not {self.on_stale!r}")
 
 
 @dataclass(kw_only=True)
@@ -193,18 +214,40 @@ def _load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> hand
     return neg
 
 
+class StaleNegatives(ValueError):
+    """``negatives.on_stale stop``: the refresher died or published nothing for too long."""
+
+
 class NegativesInUse:
     """The negatives version every rank trains on, swapped at step boundaries (all ranks or
     none) when the refresher has published a newer one. An unreadable pointer, or a newer
     version that does not load, keeps the version in use: the problem is noted once (until it
-    changes or clears) and the pointer is read again at the next check."""
+    changes or clears) and the pointer is read again at the next check.
+
+    It also watches the supply: rank 0's local ``refresher`` (a Popen, set once started)
+    having exited, or no newer version for ``stale_after_steps`` steps, is an alarm, noted
+    once (a dead refresher's alarm is the only one: stale negatives follow from it)."""
 
     def __init__(
-        self, root: Path, ts: ance_data.TrainingSet, negatives: handoff.Negatives, dist
+        self,
+        root: Path,
+        ts: ance_data.TrainingSet,
+        negatives: handoff.Negatives,
+        dist,
+        *,
+        stale_after_steps: int = 0,
+        start_step: int = 0,
+        quiet: bool = False,
     ) -> None:
         self.root, self.ts, self.current, self.dist = root, ts, negatives, dist
         self.note: dict[str, Any] = {}  # refresh timings of a new version, for the next log row
         self.problem: str | None = None  # the last problem noted, so it is noted only once
+        self.stale_after_steps = stale_after_steps
+        self.quiet = quiet  # alarms are returned, not noted (the caller stops on them)
+        self.refresher: subprocess.Popen | None = None
+        self.refresher_log: Path | None = None
+        self.fresh_since = start_step  # step the version in use was taken (or this run began)
+        self.alarmed: set[str] = set()  # "dead", "stale": each noted once (stale: per version)
 
     def log_fields(self, step: int) -> dict[str, Any]:
         fields = {
@@ -212,26 +255,73 @@ class NegativesInUse:
             "negatives_staleness": step - self.current.step,
             **self.note,
         }
+        if self.refresher is not None:
+            fields["refresher_alive"] = self.refresher.poll() is None
         self.note = {}
         return fields
+
+    def _refresher_died(self) -> str | None:
+        """Rank 0: why the local refresher is gone, or None while it runs (or there is none)."""
+        if self.refresher is None or self.refresher.poll() is None:
+            return None
+        rc = self.refresher.returncode
+        how = f"exited (killed by signal {-rc})" if rc < 0 else f"exited with status {rc}"
+        last = ""
+        if self.refresher_log is not None:
+            try:
+                with open(self.refresher_log, "rb") as f:
+                    f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                    lines = f.read().decode("utf-8", "replace").strip().splitlines()
+                last = f": {lines[-1].strip()}" if lines else ""
+            except OSError:
+                pass
+        return f"the local refresher {how}{last} (log {self.refresher_log})"
+
+    def _watch(self, step: int, died: str | None, trainer: Trainer) -> str | None:
+        """Note a new alarm once (unless ``quiet``); return it (None when nothing new)."""
+        alarm = None
+        if died is not None and "dead" not in self.alarmed:
+            self.alarmed.add("dead")
+            alarm = f"finetune: step {step}: {died}"
+        elif (
+            self.stale_after_steps
+            and "dead" not in self.alarmed
+            and "stale" not in self.alarmed
+            and step - self.fresh_since >= self.stale_after_steps
+        ):
+            self.alarmed.add("stale")
+            alarm = (
+                f"finetune: step {step}: negatives are stale: no version newer than "
+                f"v{self.current.version} for {step - self.fresh_since} steps "
+                f"(negatives.stale_after); is the refresher of {self.root} running?"
+            )
+        if alarm is not None and not self.quiet:
+            trainer.note(
+                f"warning: {alarm.removeprefix('finetune: ')}; training goes on with "
+                f"negatives v{self.current.version}"
+            )
+        return alarm
 
     def _report(self, problem: str | None, trainer: Trainer) -> None:
         if problem is not None and problem != self.problem:
             trainer.note(problem)
         self.problem = problem
 
-    def maybe_swap(self, step: int, trainer: Trainer) -> None:
-        newest, problem = None, None
+    def maybe_swap(self, step: int, trainer: Trainer) -> str | None:
+        """Swap to a newer published version (collective); returns a new alarm about the
+        refresher (see the class), the same on every rank, or None."""
+        newest, problem, died = None, None, None
         if self.dist.rank == 0:
             try:
                 pointer = handoff.read_pointer(self.root)
                 newest = pointer["version"] if pointer else None
             except handoff.HandoffError as exc:
                 problem = f"finetune: keeping negatives v{self.current.version}: {exc}"
-        newest, problem = eng.broadcast_object((newest, problem))
+            died = self._refresher_died()
+        newest, problem, died = eng.broadcast_object((newest, problem, died))
         if newest is None or newest <= self.current.version:
             self._report(problem, trainer)
-            return
+            return self._watch(step, died, trainer)
         try:
             loaded, problem = _load_negatives(self.root, newest, self.ts), None
         except (FileNotFoundError, ValueError) as exc:  # pruned, corrupt or foreign
@@ -239,11 +329,17 @@ class NegativesInUse:
         # every rank swaps, or none does
         if eng.any_rank(loaded is None, self.dist.device):
             self._report(problem or f"finetune: negatives v{newest} not used on a rank", trainer)
-            return
+            return self._watch(step, died, trainer)
         self._report(None, trainer)
-        self.current = loaded
+        self.take(loaded, step)
         self.note = {f"refresh_{k}": v for k, v in self.current.manifest.get("timings", {}).items()}
         trainer.note(f"finetune: step {step}: negatives v{newest} (from step {self.current.step})")
+        return self._watch(step, died, trainer)
+
+    def take(self, negatives: handoff.Negatives, step: int) -> None:
+        """Train on ``negatives`` from ``step`` on (staleness counts from here)."""
+        self.current, self.fresh_since = negatives, step
+        self.alarmed.discard("stale")
 
 
 def _start_version(
@@ -320,13 +416,40 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
         # the data this trainer prepared (``data.prepared``, else RUN/data)
         "data_dir": cfg.refresh.data_dir or str(Path(cfg.data.prepared or layout.data)),
         "device": cfg.refresher_device,
+        # --progress false: no bars anywhere in the run (a refresher's log is a file too)
+        "progress": cfg.refresh.progress and cfg.progress,
     }
     atomic_write_text(layout.refresh_config, json.dumps(refresh, indent=2))
     return layout.refresh_config
 
 
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal a process gets when the thread that created it exits."""
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when its parent dies (Linux; elsewhere it
+    relies on the refresher's own ``--parent_pid`` polling). The signal follows the parent
+    *thread*: the trainer starts the refresher from its main thread, which lives as long as
+    the process."""
+
+    def set_signal() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_signal
+
+
 def _start_local_refresher(cfg_file: Path, layout: RunLayout) -> subprocess.Popen:
-    """``retromae-ds refresh`` as one plain process beside rank 0, with its own log."""
+    """``retromae-ds refresh`` as one plain process beside rank 0, with its own log; it ends
+    when this process ends, however it ends (a ``kill -9`` included)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -335,11 +458,14 @@ def _start_local_refresher(cfg_file: Path, layout: RunLayout) -> subprocess.Pope
         and not k.startswith(("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
     }
     log = open(layout.refresher_log, "ab")  # noqa: SIM115 (lives as long as the process)
+    me = os.getpid()
+    cmd = [sys.executable, "-m", "retromae_ds.ance.refresher", "--config", str(cfg_file)]
     return subprocess.Popen(
-        [sys.executable, "-m", "retromae_ds.ance.refresher", "--config", str(cfg_file)],
+        [*cmd, "--parent_pid", str(me)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
+        preexec_fn=_die_with(me) if sys.platform.startswith("linux") else None,  # noqa: PLW1509
     )
 
 
@@ -386,7 +512,9 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     eng.barrier()
     ts = ance_data.load(prepared)
     if dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
-        manifest = publish_bm25(cfg.refresh, ts, layout.negatives)
+        # --progress false silences bm25s's bars too
+        mining = replace(cfg.refresh, progress=cfg.refresh.progress and cfg.progress)
+        manifest = publish_bm25(mining, ts, layout.negatives)
         print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
 
@@ -436,7 +564,15 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             raise handoff.HandoffError(f"finetune: no usable negatives: {start_problem}")
     if start is None or start.version != version:
         start = _load_negatives(layout.negatives, version, ts)
-    negatives = NegativesInUse(layout.negatives, ts, start, dist)
+    negatives = NegativesInUse(
+        layout.negatives,
+        ts,
+        start,
+        dist,
+        stale_after_steps=cfg.negatives.stale_after * cfg.negatives.refresh_every,
+        start_step=trainer.step,
+        quiet=cfg.negatives.on_stale == "stop",
+    )
     build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed)
     trainer.start_log(
         f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
@@ -474,15 +610,28 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             "negatives_version": negatives.current.version,
         },
         log_fields=lambda: negatives.log_fields(trainer.step),
-        after_step=lambda step: (
-            negatives.maybe_swap(step, trainer) if step % cfg.negatives.refresh_every == 0 else None
-        ),
     )
+
+    def after_step(step: int) -> None:
+        if step % cfg.negatives.refresh_every:
+            return
+        alarm = negatives.maybe_swap(step, trainer)
+        if alarm is not None and cfg.negatives.on_stale == "stop":
+            # nothing trained is lost: this step's checkpoint first, then one line
+            if trainer.checkpoints.newest_step() != step:
+                trainer.save(step, hooks)
+            raise StaleNegatives(
+                f"{alarm}; stopped (negatives.on_stale stop) after saving the checkpoint of "
+                f"step {step}: resume with --resume auto once a refresher can publish"
+            )
+
+    hooks.after_step = after_step
     refresher = None
     if dist.rank == 0:
         refresh_file = _write_refresh_config(cfg, layout)
         if cfg.refresher == "local":
             refresher = _start_local_refresher(refresh_file, layout)
+            negatives.refresher, negatives.refresher_log = refresher, layout.refresher_log
     try:
         if cfg.negatives.mine_first and trainer.step == 0:
             if restored is None:
@@ -495,7 +644,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
                 layout.refresher_log,
                 trainer.note,
             )
-            negatives.current = _load_negatives(layout.negatives, version, ts)
+            negatives.take(_load_negatives(layout.negatives, version, ts), 0)
             trainer.note(f"finetune: step 0: negatives v{version} mined from the initial encoder")
         last = trainer.fit(batches(), hooks)
         if dist.rank == 0 and trainer.step >= max_steps:
