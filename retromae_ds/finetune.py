@@ -427,20 +427,23 @@ PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal a process gets when the thread that created it exits."""
 
 
-def _die_with(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when its parent dies (Linux; elsewhere it
-    relies on the refresher's own ``--parent_pid`` polling). The signal follows the parent
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn``: the child gets SIGTERM when its parent dies (Linux; elsewhere None,
+    and the refresher's own ``--parent_pid`` polling does it). The signal follows the parent
     *thread*: the trainer starts the refresher from its main thread, which lives as long as
-    the process."""
+    the process. libc is looked up here, in the parent: the forked child of a threaded
+    process must not import anything."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
     def set_signal() -> None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            return
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the signal was armed
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -465,7 +468,7 @@ def _start_local_refresher(cfg_file: Path, layout: RunLayout) -> subprocess.Pope
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
-        preexec_fn=_die_with(me) if sys.platform.startswith("linux") else None,  # noqa: PLW1509
+        preexec_fn=_die_with(me),  # noqa: PLW1509
     )
 
 
