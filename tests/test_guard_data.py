@@ -382,11 +382,6 @@ def test_text_lines_names_file_line_and_column(bad_inputs, kind):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="retromae_ds/eval/beir.py (not in this change) still reads corpus.jsonl in text "
-    "mode; issue 27 asks its owner to read it through sources.text_lines",
-)
 def test_invalid_utf8_in_the_beir_loader_names_file_line_and_column(bad_inputs):
     from retromae_ds.eval.beir import load_corpus
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retromae_ds.data.sources import text_lines
+
 
 @dataclass
 class BeirData:
@@ -52,20 +54,19 @@ def _require(path: Path) -> Path:
 
 def _read_jsonl(path: Path, fields: tuple[str, ...]):
     """Yields (line number, record) for the non-blank lines, checking the required fields."""
-    with open(_require(path), encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record: Any = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            for name in fields:
-                if name not in record:
-                    raise ValueError(f"{path}:{lineno}: missing field {name!r}")
-            yield lineno, record
+    for lineno, line in text_lines(_require(path)):  # a bad byte is named by file:line
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object")
+        for name in fields:
+            if name not in record:
+                raise ValueError(f"{path}:{lineno}: missing field {name!r}")
+        yield lineno, record
 
 
 def _string_field(record: dict, name: str, where: str, *, allow_none: bool = False) -> str:
@@ -113,27 +114,25 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
     """{query id: {doc id: level}} from a BEIR qrels ``.tsv`` (header line skipped)."""
     path = Path(path)
     qrels: dict[str, dict[str, int]] = {}
-    with open(_require(path), encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if len(fields) != 3:
-                raise ValueError(
-                    f"{path}:{lineno}: expected 3 tab-separated fields "
-                    f"(query-id, corpus-id, score), found {len(fields)}"
-                )
-            qid, doc_id, score = (field.strip() for field in fields)
-            try:
-                level = int(score)
-            except ValueError:
-                if lineno == 1:
-                    continue  # the header
-                raise ValueError(f"{path}:{lineno}: score {score!r} is not an integer") from None
-            if not qid or not doc_id:
-                raise ValueError(f"{path}:{lineno}: empty query or corpus id")
-            qrels.setdefault(qid, {})[doc_id] = level
+    for lineno, line in text_lines(_require(path)):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) != 3:
+            raise ValueError(
+                f"{path}:{lineno}: expected 3 tab-separated fields "
+                f"(query-id, corpus-id, score), found {len(fields)}"
+            )
+        qid, doc_id, score = (field.strip() for field in fields)
+        try:
+            level = int(score)
+        except ValueError:
+            if lineno == 1:
+                continue  # the header
+            raise ValueError(f"{path}:{lineno}: score {score!r} is not an integer") from None
+        if not qid or not doc_id:
+            raise ValueError(f"{path}:{lineno}: empty query or corpus id")
+        qrels.setdefault(qid, {})[doc_id] = level
     return qrels
 
 

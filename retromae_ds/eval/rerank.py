@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from retromae_ds.data.sources import text_lines
 from retromae_ds.eval.beir import BeirData
 from retromae_ds.eval.metrics import evaluate_run
 
@@ -61,36 +62,35 @@ def load_candidates(path: str | Path, data: BeirData) -> Candidates:
     corpus = set(data.corpus_ids)
     queries = set(data.query_ids)
     out: Candidates = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg})") from exc
-            if not isinstance(rec, dict) or not isinstance(rec.get("query_id"), str):
-                raise ValueError(f"{where}: needs a string field 'query_id'")
-            qid = rec["query_id"]
-            if qid not in queries:
-                raise ValueError(f"{where}: query {qid!r} is not in the queries file")
-            pos = rec.get("positive", _positives(data.qrels.get(qid, {})))
-            neg = rec.get("negative")
-            for name, ids in (("positive", pos), ("negative", neg)):
-                if not isinstance(ids, list) or not all(isinstance(d, str) for d in ids):
-                    raise ValueError(f"{where}: field {name!r} must be a list of document ids")
-                unknown = [d for d in ids if d not in corpus]
-                if unknown:
-                    raise ValueError(f"{where}: {name} id(s) not in the corpus: {unknown[:5]}")
-            if not pos:
-                raise ValueError(f"{where}: query {qid!r} has no positive")
-            if qid in out:
-                raise ValueError(f"{where}: query {qid!r} listed twice")
-            both = set(pos) & set(neg)
-            if both:
-                raise ValueError(f"{where}: id(s) both positive and negative: {sorted(both)[:5]}")
-            out[qid] = {"positive": list(dict.fromkeys(pos)), "negative": list(dict.fromkeys(neg))}
+    for n, line in text_lines(path):  # a bad byte is named by file:line
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from exc
+        if not isinstance(rec, dict) or not isinstance(rec.get("query_id"), str):
+            raise ValueError(f"{where}: needs a string field 'query_id'")
+        qid = rec["query_id"]
+        if qid not in queries:
+            raise ValueError(f"{where}: query {qid!r} is not in the queries file")
+        pos = rec.get("positive", _positives(data.qrels.get(qid, {})))
+        neg = rec.get("negative")
+        for name, ids in (("positive", pos), ("negative", neg)):
+            if not isinstance(ids, list) or not all(isinstance(d, str) for d in ids):
+                raise ValueError(f"{where}: field {name!r} must be a list of document ids")
+            unknown = [d for d in ids if d not in corpus]
+            if unknown:
+                raise ValueError(f"{where}: {name} id(s) not in the corpus: {unknown[:5]}")
+        if not pos:
+            raise ValueError(f"{where}: query {qid!r} has no positive")
+        if qid in out:
+            raise ValueError(f"{where}: query {qid!r} listed twice")
+        both = set(pos) & set(neg)
+        if both:
+            raise ValueError(f"{where}: id(s) both positive and negative: {sorted(both)[:5]}")
+        out[qid] = {"positive": list(dict.fromkeys(pos)), "negative": list(dict.fromkeys(neg))}
     if not out:
         raise ValueError(f"{path}: no candidate lists")
     return out
