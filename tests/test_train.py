@@ -145,10 +145,12 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, synthetic_s
     assert ckpt.resolve_resume("auto", run).name == "step_00000002"
     pretrain(run, synthetic_shards, *common)  # --checkpoint.resume auto (the default)
     rows = metrics(run)
-    # steps 1-4 before the crash (4 was logged, then its save died), then 3-6 after resuming
-    # from step 2: the replayed steps reproduce the lost ones exactly
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4, 5, 6]
-    assert rows[2]["loss"] == rows[4]["loss"] and rows[3]["loss"] == rows[5]["loss"]
+    # steps 1-4 before the crash (4 was logged, then its save died); resuming from step 2
+    # moves rows 3-4 aside and logs them again: the replayed steps reproduce the lost ones
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    lost = [json.loads(x) for x in (run / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lost] == [3, 4]
+    assert [r["loss"] for r in lost] == [rows[2]["loss"], rows[3]["loss"]]
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004", "step_00000006"]
     assert not list(root.glob("*.partial"))
     # a straight run agrees with the one that crashed and resumed from step 2
@@ -465,8 +467,9 @@ def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
         ckpt.verify(step6)
     result = pretrain(run, synthetic_shards, *common)
     assert "falling back to step_00000004" in result.stderr and victim.name in result.stderr
-    resumed = metrics(run)[6:]  # rows 1-6 of the first run, then 5-8 after the fallback
-    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    # rows 1-4 of the first run, then 5-8 after the fallback (its rows 5-6 moved aside)
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+    resumed = metrics(run)[4:]
     for a, b in zip(whole[4:], resumed, strict=True):
         assert (a["step"], a["loss"], a["decoder_loss"]) == (
             b["step"],
@@ -508,8 +511,9 @@ def test_a_step_folder_without_its_record_loses_to_the_new_checkpoint(
 
     export_encoder(run, tmp_path / "exported")  # step 2, and it says why not step 4
     assert "using step_00000002; newer step_00000004 not complete" in capfd.readouterr().err
-    pretrain(run, synthetic_shards, *common)
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 3, 4]
+    again = pretrain(run, synthetic_shards, *common)
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]  # 3-4 again, never twice
+    assert "2 row(s) logged after step 2" in again.stderr
     assert ckpt.read_marker(step4)["step"] == 4
     ckpt.verify(step4)
 
