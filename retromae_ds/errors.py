@@ -24,6 +24,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 """Errors whose message is the whole story; anything else is a bug and keeps its traceback."""
 
 
+class RunFailed(RuntimeError):
+    """A run stopped for a reason its message states whole (a helper process died, a wait
+    timed out): reported in one line like bad input, exit 1."""
+
+
 def debug_enabled() -> bool:
     """Whether ``RETROMAE_DS_DEBUG`` asks for tracebacks (unset, empty or ``0`` do not)."""
     value = os.environ.get(DEBUG_ENV, "").strip().lower()

@@ -52,6 +52,7 @@ from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.checkpoint import resolve_encoder
 from retromae_ds.config import to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.errors import RunFailed
 from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.layout import RunLayout
 from retromae_ds.training.config import OptimConfig, RunConfig
@@ -394,7 +395,7 @@ def _wait_for_mined(
         if pointer is not None and pointer["version"] > after:
             return eng.broadcast_object(pointer["version"])
         if refresher is not None and refresher.poll() is not None:
-            raise RuntimeError(
+            raise RunFailed(
                 f"the local refresher exited ({refresher.returncode}) before mining the first "
                 f"negatives; see {log}"
             )

@@ -33,7 +33,13 @@ from retromae_ds import faults
 from retromae_ds.checkpoint import CheckpointManager, Restored, latest_complete, read_marker
 from retromae_ds.config import to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
-from retromae_ds.errors import USER_ERRORS, DiskFull, disk_full_error, run_reporting
+from retromae_ds.errors import (
+    USER_ERRORS,
+    DiskFull,
+    RunFailed,
+    disk_full_error,
+    run_reporting,
+)
 from retromae_ds.layout import RunLayout
 from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.training.config import RunConfig
@@ -45,7 +51,8 @@ RESUME_MAY_CHANGE = (
     "stop_on_nonfinite", "checkpoint", "deepspeed.timeout_s", "data.num_workers", "data.workers",
     "refresher", "refresher_device", "refresh.device", "refresh.poll_s", "refresh.progress",
     "refresh.idle_timeout_s", "refresh.max_versions", "refresh.run_dir",
-    "negatives.mine_first_timeout_s", "eval",
+    "negatives.mine_first_timeout_s", "negatives.stale_after", "negatives.on_stale",
+    "refresh.parent_pid", "eval",
 )  # fmt: skip
 """Config fields (or sections) a resumed run may change: how long, how often, where to log
 and save. Every other field changes what the resumed steps compute."""
@@ -96,7 +103,7 @@ def _recorded_bytes(checkpoint: Path) -> int | None:
     return sum(int(f["bytes"]) for f in files.values()) or None
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(RunFailed):
     """A loss was NaN or infinite; the run stopped before checkpointing that state."""
 
 
@@ -412,4 +419,4 @@ def run_main(
             return EXIT_REQUEUE
         return 0
 
-    return run_reporting(prog, build_and_run, errors=(*USER_ERRORS, NonFiniteLoss))
+    return run_reporting(prog, build_and_run, errors=(*USER_ERRORS, RunFailed))
