@@ -10,7 +10,12 @@ rank 0 writes the ``COMPLETE`` record and renames the folder, then prunes old ch
 the other ranks finish. ``--resume auto`` takes the newest folder with a record.
 
 :func:`resolve_checkpoint` and :func:`resolve_encoder` are the one place that turns what a
-user names ("a run folder, a checkpoint, or a Hugging Face folder") into a folder.
+user names ("a run folder, a checkpoint, or a Hugging Face folder") into a folder, and the
+one place that checks it: every consumer (``eval``, ``finetune --model.init``, continued
+pre-training, ``export``) gets a checkpoint whose model files match its ``COMPLETE`` record
+(a run folder falls back to its newest checkpoint that does, saying so; a checkpoint named
+explicitly is refused naming the file). A folder is hashed once per process while its files
+are unchanged (:func:`verify_cached`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from retromae_ds.layout import (
     COMPLETE,
     ENCODER,
     PARTIAL_DIR,
+    QUERY_ENCODER,
     STEP_DIR,
     RunLayout,
     rank_state_file,
@@ -43,6 +49,8 @@ from retromae_ds.layout import (
 
 MARKER = COMPLETE
 tag_for = step_tag
+MODEL_FILES = (f"{ENCODER}/", f"{QUERY_ENCODER}/")
+"""The files a consumer of a checkpoint's models reads (``verify``'s ``under``)."""
 
 
 # --------------------------------------------------------------------------- finding
@@ -67,30 +75,64 @@ def is_checkpoint(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(
+    path: str | Path,
+    *,
+    under: str | tuple[str, ...] = MODEL_FILES,
+    log: Callable[[str], None] | None = None,
+) -> Path:
     """A complete checkpoint folder, or a run folder (or its ``checkpoints/``) -> the complete
-    checkpoint it names (a run's newest)."""
+    checkpoint it names, its files under ``under`` checked against its record
+    (:func:`verify_cached`).
+
+    A checkpoint named explicitly that does not verify raises :class:`CheckpointCorrupt`
+    naming the file. A run folder gives its newest checkpoint that verifies; passing over a
+    newer one is said once through ``log`` (stderr by default), naming the file that failed.
+    """
     path = Path(path)
     if is_checkpoint(path):
+        verify_cached(path, under)
         return path
-    latest = latest_complete(RunLayout(path).checkpoints) or latest_complete(path)
-    if latest is None:
+    candidates = complete_checkpoints(RunLayout(path).checkpoints) or complete_checkpoints(path)
+    if not candidates:
         raise FileNotFoundError(
             f"{path}: neither a complete checkpoint nor a run folder holding one"
         )
-    return latest
+    problems: list[str] = []
+    for candidate in reversed(candidates):
+        try:
+            verify_cached(candidate, under)
+        except CheckpointCorrupt as exc:
+            if candidate.exists():  # else a live run pruned it meanwhile: not a problem
+                problems.append(str(exc))
+            continue
+        if problems:
+            _say_once(
+                log,
+                f"{path}: using {candidate.name}, the newest checkpoint that verifies "
+                f"(passed over: {'; '.join(problems)})",
+            )
+        return candidate
+    if not problems:
+        raise FileNotFoundError(f"{path}: its checkpoints were removed while being read; retry")
+    raise CheckpointCorrupt(f"{path}: no complete checkpoint verifies (newest: {problems[0]})")
 
 
-def resolve_encoder(path: str | Path) -> Path:
+def resolve_encoder(path: str | Path, *, log: Callable[[str], None] | None = None) -> Path:
     """The Hugging Face encoder folder that ``path`` names: a complete checkpoint (its
     ``encoder/``), a run folder (its newest complete checkpoint's), or a Hugging Face folder.
     A run folder also holds a ``config.json`` (the training config), so checkpoints are looked
-    for before a model config."""
+    for before a model config. The encoder of a checkpoint, however named (the checkpoint,
+    its run, or its ``encoder/`` folder itself), is checked against the checkpoint's record
+    as :func:`resolve_checkpoint` does."""
     path = Path(path)
-    if is_checkpoint(path) or RunLayout(path).checkpoints.is_dir():
-        folder = resolve_checkpoint(path) / ENCODER
+    if is_checkpoint(path) or RunLayout(path).checkpoints.is_dir() or latest_complete(path):
+        folder = resolve_checkpoint(path, under=f"{ENCODER}/", log=log) / ENCODER
     elif (path / "config.json").is_file():
         folder = path
+        real = path.resolve()
+        if real.name in (ENCODER, QUERY_ENCODER) and is_checkpoint(real.parent):
+            verify_cached(real.parent, f"{real.name}/")  # a checkpoint's part, named directly
     else:
         raise FileNotFoundError(
             f"{path}: neither a Hugging Face encoder folder, a complete checkpoint, "
@@ -99,6 +141,21 @@ def resolve_encoder(path: str | Path) -> Path:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no Hugging Face model (config.json) there")
     return folder
+
+
+_said: set[str] = set()
+
+
+def _say_once(log: Callable[[str], None] | None, text: str) -> None:
+    """``text`` through ``log`` (stderr by default), once per process: a run resolves the
+    same folder several times (the vocabulary check, then the model)."""
+    if text in _said:
+        return
+    _said.add(text)
+    if log is None:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        log(text)
 
 
 def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
@@ -142,11 +199,11 @@ def file_records(folder: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
-def verify(ckpt: Path, under: str = "") -> None:
+def verify(ckpt: Path, under: str | tuple[str, ...] = "") -> None:
     """Check every file listed in the completion record (size, then sha256), or only those
-    whose path starts with ``under`` (e.g. ``"encoder/"``); raise CheckpointCorrupt naming the
-    first file that does not match. A record without a file list (written before the lists
-    existed) is accepted as it is."""
+    whose path starts with ``under`` (e.g. ``"encoder/"``, or one of several such prefixes);
+    raise CheckpointCorrupt naming the first file that does not match. A record without a
+    file list (written before the lists existed) is accepted as it is."""
     try:
         marker = read_marker(ckpt)
     except (OSError, ValueError) as exc:
@@ -162,6 +219,38 @@ def verify(ckpt: Path, under: str = "") -> None:
             raise CheckpointCorrupt(f"{path}: {size} bytes, {MARKER} says {want['bytes']}")
         if sha256_file(path) != want["sha256"]:
             raise CheckpointCorrupt(f"{path}: sha256 differs from {MARKER} (corrupted)")
+
+
+_verified: dict[tuple[str, str | tuple[str, ...]], tuple] = {}
+"""(checkpoint, under) -> the stat signature of the files that verified."""
+
+
+def verify_cached(ckpt: Path, under: str | tuple[str, ...] = "") -> None:
+    """:func:`verify`, skipped when the same files (same inode, size and modification time
+    as when they last verified in this process) were checked already: hashing a BERT-base
+    encoder takes about a second, and one command resolves the same folder several times."""
+    key = (str(Path(ckpt).resolve()), under)
+    signature = _signature(Path(ckpt), under)  # taken first: a change while hashing shows
+    if signature is not None and _verified.get(key) == signature:
+        return
+    verify(Path(ckpt), under)
+    if signature is not None:
+        _verified[key] = signature
+
+
+def _signature(ckpt: Path, under: str | tuple[str, ...]) -> tuple | None:
+    """Identity of the record and of every file it lists under ``under``, or None when one
+    cannot be read (then :func:`verify` says what is wrong)."""
+    try:
+        files = read_marker(ckpt).get("files", {})
+        paths = [ckpt / MARKER, *(ckpt / rel for rel in sorted(files) if rel.startswith(under))]
+        stats = [p.stat() for p in paths]
+    except (OSError, ValueError, AttributeError):
+        return None
+    return tuple(
+        (str(p), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        for p, st in zip(paths, stats, strict=True)
+    )
 
 
 # --------------------------------------------------------------------------- rank state
