@@ -13,8 +13,16 @@ checkpoint's ``encoder/`` folder.
 OUT also gets ``export.json`` (the source checkpoint and its step), which marks it as an
 export: only such a folder, an empty one or a missing path is replaced; any other non-empty
 folder needs ``overwrite=True`` (``--overwrite``); a folder holding a run or a checkpoint
-(``checkpoints/``, a ``COMPLETE`` record or ``metrics.jsonl``, at any depth) and a folder
-that is, holds or lies inside the source are never replaced.
+(``checkpoints/``, a ``COMPLETE`` record or ``metrics.jsonl``, at any depth), a folder inside
+a run or a checkpoint (its ``encoder/``, its ``tensorboard/``...) and a folder that is, holds
+or lies inside the source are never replaced.
+
+The checkpoint is checked against its record first (``checkpoint.resolve_checkpoint``). A
+live run may prune it (keep-last) while it is being read: every file is read whole or not at
+all, and the export is kept only if the checkpoint was still all there once read; otherwise a
+run folder is exported again from its newest checkpoint, and a checkpoint named explicitly is
+an error saying it was removed. A full disk is one error naming OUT and the space needed; the
+staging folder is removed and a previous export at OUT is left as it was.
 """
 
 from __future__ import annotations
@@ -30,15 +38,20 @@ import torch
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import sbert
+from retromae_ds.errors import disk_full_error
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_pretrained, load_tokenizer_checked, quiet_transformers
-from retromae_ds.layout import COMPLETE, ENCODER, RunLayout
+from retromae_ds.layout import COMPLETE, ENCODER, PARTIAL_DIR, STEP_DIR, RunLayout
 from retromae_ds.modeling.positions import usable_positions
 
 EXPORT_MARKER = "export.json"
 """Written into every export; a folder carrying it may be replaced by a new export."""
 RUN_ENTRIES = (RunLayout(".").checkpoints.name, COMPLETE, RunLayout(".").metrics.name)
 """Names that make a folder (or any folder below it) a run or a checkpoint: never replaced."""
+RUN_FILES = (RunLayout(".").metrics.name, RunLayout(".").ds_config.name)
+"""Files only a run folder holds (with ``checkpoints/``): nothing inside it is a target."""
+ATTEMPTS = 3
+"""Exports of a run folder tried while a live run keeps pruning the checkpoint being read."""
 
 
 def check_export_target(out: Path, sources: list[Path], overwrite: bool) -> None:
@@ -51,6 +64,13 @@ def check_export_target(out: Path, sources: list[Path], overwrite: bool) -> None
             raise ValueError(f"{out}: the export would be written into its source {source}")
         if source.is_relative_to(resolved):
             raise ValueError(f"{out}: holds the source checkpoint {source}; refusing to replace")
+    for folder in resolved.parents:  # nothing inside a run or a checkpoint, ever
+        held = _run_or_checkpoint(folder)
+        if held is not None:
+            raise ValueError(
+                f"{out}: inside the run or checkpoint {folder} ({held}); an export is never "
+                "written into a run, not even with --overwrite: choose a folder outside it"
+            )
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ValueError(f"{out}: exists and is not a folder; refusing to replace it")
     if not out.exists():
@@ -68,6 +88,25 @@ def check_export_target(out: Path, sources: list[Path], overwrite: bool) -> None
             f"{out}: not empty ({shown}) and not a previous export (no {EXPORT_MARKER}); "
             "pass --overwrite (overwrite=True) to replace it"
         )
+
+
+def _run_or_checkpoint(folder: Path) -> str | None:
+    """What makes ``folder`` a run or a checkpoint (being written or not), or None."""
+    try:
+        if (folder / COMPLETE).is_file():
+            return f"a checkpoint: it holds {COMPLETE}"
+        if folder.parent.name == RunLayout(".").checkpoints.name and (
+            STEP_DIR.match(folder.name) or PARTIAL_DIR.match(folder.name)
+        ):
+            return "a checkpoint folder of a run"
+        if (folder / RunLayout(".").checkpoints.name).is_dir():
+            return f"a run: it holds {RunLayout('.').checkpoints.name}/"
+        for name in RUN_FILES:
+            if (folder / name).is_file():
+                return f"a run: it holds {name}"
+    except OSError:  # a folder we may not look into is not known to be a run
+        return None
+    return None
 
 
 def _run_entry(folder: Path) -> Path | None:
@@ -90,41 +129,111 @@ def export_encoder(
     """Write the encoder of ``checkpoint`` to ``out`` (atomically: staged, then renamed).
 
     ``out`` must be missing, empty or a previous export (it holds ``export.json``); another
-    non-empty folder is replaced only with ``overwrite``; a run, a checkpoint or a folder that
-    is, holds or lies inside the source never is (``ValueError``, nothing deleted).
+    non-empty folder is replaced only with ``overwrite``; a run, a checkpoint, a folder inside
+    either, or a folder that is, holds or lies inside the source never is (``ValueError``,
+    nothing deleted). A checkpoint that fails its record is a ``CheckpointCorrupt`` naming the
+    file (a run folder falls back to its newest checkpoint that verifies); a full disk a
+    ``DiskFull`` naming ``out``; a named checkpoint pruned while being read a
+    ``FileNotFoundError`` saying so (a run folder is exported again from its newest).
     """
     if pooling not in ("auto", "cls", "mean"):
         raise ValueError(f"pooling must be auto, cls or mean, not {pooling!r}")
-    resolved = ckpt.resolve_checkpoint(checkpoint)
-    ckpt.verify(resolved, under=f"{ENCODER}/")  # a corrupt encoder is an error naming the file
+    out = Path(out)
+    named_run = not ckpt.is_checkpoint(Path(checkpoint))
+    gone: Path | None = None
+    for _ in range(ATTEMPTS):
+        resolved = ckpt.resolve_checkpoint(checkpoint, under=f"{ENCODER}/")
+        check_export_target(out, [Path(checkpoint), resolved], overwrite)
+        if gone is not None:
+            print(
+                f"export: {gone.name} was removed (the run's keep_last pruning) while it was "
+                f"being exported; exporting {resolved.name}, now the newest",
+                file=sys.stderr,
+            )
+        else:
+            _note_newer_incomplete(resolved)
+        if _export_once(resolved, out, pooling, normalize):
+            return out
+        gone = resolved
+        if not named_run:
+            break
+    hint = (
+        f"retry (pruned {ATTEMPTS} times in a row: keep more checkpoints, or export after the run)"
+        if named_run
+        else "retry with a newer checkpoint, or name the run folder to export its newest"
+    )
+    raise FileNotFoundError(
+        f"{gone}: checkpoint {gone.name} was removed (a live run's keep_last pruning) while "
+        f"it was being exported; {hint}"
+    )
+
+
+def _note_newer_incomplete(resolved: Path) -> None:
+    """Never silently older: say which newer step folders were passed over."""
     newer = [
         p.name
         for p in sorted(resolved.parent.glob("step_*"))
         if p.name > resolved.name and p.is_dir() and not ckpt.is_checkpoint(p)
     ]
-    if newer:  # never silently older: say which newer folders were passed over
+    if newer:
         print(
             f"export: using {resolved.name}; newer {', '.join(newer)} not complete "
             "(no completion record: still being written, or damaged)",
             file=sys.stderr,
         )
+
+
+def _export_once(resolved: Path, out: Path, pooling: str, normalize: bool | None) -> bool:
+    """Export ``resolved``'s encoder to ``out``; False (nothing written) when the checkpoint
+    was removed, even in part, before everything was read from it."""
     source = resolved / ENCODER
-    if not (source / "config.json").is_file():
-        raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")
-    out = Path(out)
-    check_export_target(out, [Path(checkpoint), resolved], overwrite)
-    tokenizer = load_tokenizer_checked(source)
-    spec = sbert.resolve(source, pooling, normalize)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = _fresh_sibling(out, ".partial")
+    staging = None
     try:
+        if not (source / "config.json").is_file():
+            if not _still_there(resolved):
+                return False
+            raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")
+        tokenizer = load_tokenizer_checked(source)
+        spec = sbert.resolve(source, pooling, normalize)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = _fresh_sibling(out, ".partial")
         _write_export(staging, source, resolved, spec, tokenizer)
+        # files are only ever deleted: all still there now means every read saw a whole file
+        if not _still_there(resolved):
+            shutil.rmtree(staging, ignore_errors=True)
+            return False
         chmod_tree_as_created(staging)  # readable by a serving job under another user
         _replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as exc:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
+        if not _still_there(resolved):  # the loaders' messages would blame the folder
+            return False
+        full = disk_full_error(exc, out, "the export", _folder_bytes(source))
+        if full is not None:
+            raise full from exc
         raise
-    return out
+    return True
+
+
+def _still_there(checkpoint: Path) -> bool:
+    """Whether the record and every encoder file it lists still exist (a pruned checkpoint
+    loses them one by one)."""
+    try:
+        files = ckpt.read_marker(checkpoint).get("files") or {"encoder/config.json": None}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return all((checkpoint / rel).is_file() for rel in files if rel.startswith(f"{ENCODER}/"))
+
+
+def _folder_bytes(folder: Path) -> int:
+    """About what an export of ``folder`` writes: the size of its files."""
+    try:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    except OSError:
+        return 0
 
 
 def _replace(staging: Path, out: Path) -> None:
