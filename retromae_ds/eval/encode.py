@@ -57,7 +57,9 @@ class HFEncoder:
         pooling: ``"cls"`` or ``"mean"``.
         normalize: L2-normalise the embeddings.
         max_length: tokens per text, special tokens included (longer texts are truncated);
-            capped by the tokenizer's ``model_max_length`` and the model's position embeddings.
+            capped by the tokenizer's ``model_max_length`` and the model's position embeddings
+            (``self.max_length`` is the length used, ``self.capped_by`` the limit that capped
+            it, or None).
         batch_size: texts per forward pass.
         device: ``"auto"`` keeps the model where it is; otherwise the model is moved there.
         amp_dtype: run the forward pass under autocast with this dtype (e.g. bfloat16 on GPU).
@@ -88,8 +90,14 @@ class HFEncoder:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         # never past what the tokenizer or the position embeddings support
-        limits = [getattr(tokenizer, "model_max_length", None), _positions(model)]
-        self.max_length = min([max_length] + [n for n in limits if isinstance(n, int) and n > 0])
+        limits = {
+            "the tokenizer's model_max_length": getattr(tokenizer, "model_max_length", None),
+            "the model's position embeddings": _positions(model),
+        }
+        self.max_length, self.capped_by = max_length, None
+        for reason, limit in limits.items():
+            if isinstance(limit, int) and 0 < limit < self.max_length:
+                self.max_length, self.capped_by = limit, reason
         self.pooling, self.normalize, self.batch_size = pooling, normalize, batch_size
         self.amp_dtype, self.progress = amp_dtype, progress
 
@@ -104,7 +112,7 @@ class HFEncoder:
 
         from retromae_ds.checkpoint import resolve_encoder
 
-        model_dir = resolve_encoder(model_dir)
+        model_dir = resolve_encoder(model_dir)  # a checkpoint's encoder checked against its record
         tokenizer = load_tokenizer_checked(model_dir)
         model = load_pretrained(AutoModel, model_dir)  # an MLM folder: no pooler, expected
         return cls(model, tokenizer, device=resolve_device(device), **kwargs)

@@ -142,7 +142,9 @@ def evaluate_beir(
     """Evaluate a dense retriever on one split of a BEIR dataset.
 
     Args:
-        encoder: a Hugging Face model folder (loaded with ``pooling``, ``normalize``,
+        encoder: a Hugging Face model folder, a checkpoint or a run folder (its newest
+            checkpoint that verifies against its record; ``encoder_dir`` in the result names
+            the folder used) (loaded with ``pooling``, ``normalize``,
             ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``;
             ``auto`` / None: the folder's own pooling, normalisation and length, read by
             ``retromae_ds.sbert``, else CLS, raw, 512), or any ``list[str] -> [N, D]``
@@ -159,7 +161,7 @@ def evaluate_beir(
     corpus; judged documents missing from the corpus are counted, with a warning on stderr.
 
     Returns:
-        ``{"dataset", "split", "model", "num_corpus", "num_queries", "num_queries_skipped",
+        ``{"dataset", "split", "model", "encoder_dir", "num_corpus", "num_queries", "num_queries_skipped",
         "qrels_docs_missing", "metrics": {measure: mean}, "per_query": {qid: {measure: value}},
         "settings", "seconds"}``.
     """
@@ -175,13 +177,16 @@ def evaluate_beir(
             file=sys.stderr,
             flush=True,
         )
+    requested_length, encoder_dir = max_length, None
     if isinstance(encoder, (str, Path)):
         model_name = str(encoder)
-        spec = sbert.resolve(resolve_encoder(encoder), pooling, normalize)
+        # resolved (and checked against its checkpoint's record) once, then passed on
+        encoder_dir = resolve_encoder(encoder)
+        spec = sbert.resolve(encoder_dir, pooling, normalize)
         pooling, normalize = spec.pooling, spec.normalize
         max_length = max_length or spec.max_length or DEFAULT_MAX_LENGTH
         encoder = HFEncoder.from_dir(
-            encoder,
+            encoder_dir,
             pooling=pooling,
             normalize=normalize,
             max_length=max_length,
@@ -192,6 +197,15 @@ def evaluate_beir(
         )
     else:
         model_name = getattr(encoder, "__name__", type(encoder).__name__)
+    if isinstance(encoder, HFEncoder):  # the length it really uses, said when capped
+        if requested_length and encoder.capped_by and encoder.max_length < requested_length:
+            print(
+                f"eval: --max-length {requested_length} capped at {encoder.max_length}, "
+                f"{encoder.capped_by}",
+                file=sys.stderr,
+                flush=True,
+            )
+        max_length = encoder.max_length
 
     t = time.perf_counter()
     corpus_emb = encode_texts(encoder, data.corpus_texts, desc="corpus")
@@ -236,6 +250,7 @@ def evaluate_beir(
         "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
         "split": split,
         "model": model_name,
+        "encoder_dir": None if encoder_dir is None else str(encoder_dir),
         "num_corpus": len(data.corpus_ids),
         "num_queries": len(per_query),
         "num_queries_skipped": len(data.qrels) - len(per_query),
@@ -245,6 +260,11 @@ def evaluate_beir(
             "pooling": pooling,
             "normalize": normalize,
             "max_length": max_length,
+            **(
+                {"max_length_requested": requested_length}
+                if requested_length and requested_length != max_length
+                else {}
+            ),
             "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None,
             "metric": metric,
             "ignore_identical_ids": ignore_identical_ids,
