@@ -631,7 +631,18 @@ def _next_action(
         return (
             {"do": "stop", "why": f"the run is finished ({finished})"} if done else {"do": "wait"}
         )
-    newest = ckpt.latest_complete(layout.checkpoints)
+    # the newest checkpoint whose encoder(s) match their record (a corrupt newer one is
+    # passed over, saying so once), as every other reader of checkpoints does
+    try:
+        newest = ckpt.resolve_checkpoint(layout.root)
+    except FileNotFoundError:
+        newest = None  # none yet, or pruned while being read: wait
+    except ckpt.CheckpointCorrupt as exc:
+        newest = None  # wait for one that verifies, having said why once
+        if reported is None or str(exc) not in reported:
+            print(f"refresh: {exc}; waiting for a newer checkpoint", file=sys.stderr, flush=True)
+            if reported is not None:
+                reported.add(str(exc))
     if newest is not None and skipped and str(newest) in skipped:
         newest = None  # unreadable once: wait for the next one
     # BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer (and so
