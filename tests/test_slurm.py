@@ -456,7 +456,7 @@ def test_finetune_trainer_and_refresher_as_concurrent_steps(one_node, tmp_path, 
     assert "ending the refresher step" not in batch_log, batch_log
     logs = run / "logs" / f"job{job}.0"
     refresher_log = (logs / "refresher_0.log").read_text()
-    assert "refresh: stopping (the trainer finished)" in refresher_log, refresher_log[-3000:]
+    assert "refresh: stopping (the run is finished" in refresher_log, refresher_log[-3000:]
 
     # the trainer's last checkpoint is complete
     final = ckpt.latest_complete(run / "checkpoints")
