@@ -40,12 +40,9 @@ the trainer meanwhile) is skipped once, not retried.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -57,7 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from retromae_ds import checkpoint as ckpt
-from retromae_ds import faults, sbert
+from retromae_ds import faults, holder_lock, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
@@ -157,38 +154,16 @@ class RefresherBusy(ValueError):
 def _take_lock(root: Path) -> tuple[int | None, str | None]:
     """(fd, None) when locked; (None, error) when another refresher holds it; (None, None)
     when the filesystem cannot lock (warned)."""
-    from retromae_ds.training.lock import _describe, _holder
-
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        fd, holder = holder_lock.acquire(root / LOCK, what="refresher for this run")
     except OSError as exc:
         raise handoff.write_error(root / LOCK, exc, "the refresher's lock") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _describe(_holder(fd))
-        os.close(fd)
+    if holder is not None:
         return None, (
             f"{root}: another refresher is writing into this negatives folder ({holder}; lock "
             f"file {root / LOCK}); stop it first, or leave this run to it"
         )
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            print(
-                f"warning: {root / LOCK}: this filesystem cannot lock ({exc.strerror}); make "
-                "sure one refresher at a time serves this run",
-                file=sys.stderr,
-            )
-            return None, None
-        raise
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(me).encode())
-    except OSError:
-        pass  # a full disk: the lock holds all the same, only its holder goes unnamed
     return fd, None
 
 
@@ -203,11 +178,7 @@ def hold_negatives(root: Path, group: _Group) -> Iterator[None]:
     try:
         yield
     finally:
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # a clean end leaves no holder to report
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        holder_lock.release(fd)
 
 
 @contextlib.contextmanager

@@ -5,42 +5,22 @@ until the run ends; the lock file names the holder (host, pid, start time). A se
 the same folder fails at once on every rank, naming that holder, instead of interleaving
 metrics and racing on checkpoints. The kernel drops the lock when its process dies, so a
 crashed run leaves no stale lock: the next run takes it over (and says whose it was). On a
-filesystem without ``flock`` support the run goes on with a warning.
+filesystem without ``flock`` support the run goes on with a warning (``retromae_ds.holder_lock``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
-import json
 import os
-import socket
-import sys
-import time
 from collections.abc import Iterator
 
 from retromae_ds import engine as eng
+from retromae_ds import holder_lock
 from retromae_ds.layout import RunLayout
 
 
 class RunFolderBusy(ValueError):
     """Another live process holds the run folder's lock."""
-
-
-def _holder(fd: int) -> dict:
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        return json.loads(os.read(fd, 4096).decode() or "{}")
-    except (OSError, ValueError):
-        return {}
-
-
-def _describe(holder: dict) -> str:
-    if not holder:
-        return "a process that left no details"
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
-    return f"pid {holder.get('pid')} on {holder.get('host')} since {since}"
 
 
 class RunFolderNotWritable(ValueError):
@@ -77,40 +57,12 @@ def _take(layout: RunLayout) -> tuple[int | None, ValueError | None]:
         check_writable(layout)
     except RunFolderNotWritable as exc:
         return None, exc
-    fd = os.open(layout.lock, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _describe(_holder(fd))
-        os.close(fd)
+    fd, holder = holder_lock.acquire(layout.lock, what="run in this folder")
+    if holder is not None:
         return None, RunFolderBusy(
             f"{layout.root}: another run is writing into this folder ({holder}; lock file "
             f"{layout.lock}); wait for it to end or use another run_dir"
         )
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            print(
-                f"warning: {layout.lock}: this filesystem cannot lock ({exc.strerror}); "
-                "make sure one run at a time writes into this folder",
-                file=sys.stderr,
-            )
-            return None, None
-        raise
-    previous = _holder(fd)
-    if previous.get("pid") and (previous.get("pid"), previous.get("host")) != (
-        os.getpid(),
-        socket.gethostname(),
-    ):
-        print(
-            f"{layout.lock}: taking over from {_describe(previous)}, which ended without "
-            "releasing it",
-            file=sys.stderr,
-        )
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps(me).encode())
     return fd, None
 
 
@@ -125,7 +77,4 @@ def hold_run_folder(layout: RunLayout, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        if fd is not None:
-            os.ftruncate(fd, 0)  # a clean end leaves no holder to report
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        holder_lock.release(fd)
