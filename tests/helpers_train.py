@@ -93,3 +93,25 @@ def free_port() -> int:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def synthetic_shards(root: Path, tokenizer_dir: Path, docs: int, seed: int) -> Path:
+    """``docs`` synthetic documents (``seed``) preprocessed into ``root/shards`` with the test
+    tokenizer at max length 64: the small corpus the training tests run on."""
+    from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
+
+    from synthetic import synthetic_texts
+
+    src = root / "docs.jsonl"
+    with open(src, "w") as f:
+        for i, text in enumerate(synthetic_texts(docs, seed=seed, max_words=40)):
+            f.write(json.dumps({"_id": str(i), "text": text}) + "\n")
+    cfg = PreprocessConfig(
+        inputs=[str(src)],
+        out=str(root / "shards"),
+        tokenizer=str(tokenizer_dir),
+        max_length=64,
+        progress=False,
+    )
+    run_preprocess(cfg)
+    return root / "shards"

@@ -18,35 +18,20 @@ from pathlib import Path
 
 import pytest
 from helpers_train import ENV, REPO, pretrain
+from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import export as export_mod
 from retromae_ds.cli import main
-from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
 from helpers_ance import write_synthetic_beir
-from synthetic import synthetic_texts
 
 STEP2, STEP4 = ckpt.tag_for(2), ckpt.tag_for(4)
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tokenizer_dir) -> Path:
-    root = tmp_path_factory.mktemp("guard_shards")
-    src = root / "docs.jsonl"
-    with open(src, "w") as f:
-        for i, text in enumerate(synthetic_texts(300, seed=27, max_words=40)):
-            f.write(json.dumps({"_id": str(i), "text": text}) + "\n")
-    run_preprocess(
-        PreprocessConfig(
-            inputs=[str(src)],
-            out=str(root / "shards"),
-            tokenizer=str(tokenizer_dir),
-            max_length=64,
-            progress=False,
-        )
-    )
-    return root / "shards"
+    return make_shards(tmp_path_factory.mktemp("guard_shards"), tokenizer_dir, 300, seed=27)
 
 
 @pytest.fixture(scope="module")

@@ -11,29 +11,14 @@ import sys
 import pytest
 from helpers_disk import fill, small_disk
 from helpers_train import ENV, REPO, metrics, pretrain
+from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds import checkpoint as ckpt
-from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-
-from synthetic import synthetic_texts
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory, tokenizer_dir):
-    root = tmp_path_factory.mktemp("guard_shards")
-    src = root / "docs.jsonl"
-    with open(src, "w") as f:
-        for i, text in enumerate(synthetic_texts(300, seed=4, max_words=40)):
-            f.write(json.dumps({"_id": str(i), "text": text}) + "\n")
-    cfg = PreprocessConfig(
-        inputs=[str(src)],
-        out=str(root / "shards"),
-        tokenizer=str(tokenizer_dir),
-        max_length=64,
-        progress=False,
-    )
-    run_preprocess(cfg)
-    return root / "shards"
+    return make_shards(tmp_path_factory.mktemp("guard_shards"), tokenizer_dir, 300, seed=4)
 
 
 def _error_lines(stderr: str) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_train import ENV, REPO, free_port, metrics, pretrain
+from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
@@ -21,21 +22,7 @@ from synthetic import synthetic_texts
 
 @pytest.fixture(scope="module")
 def synthetic_shards(tmp_path_factory, tokenizer_dir) -> Path:
-    root = tmp_path_factory.mktemp("synthetic_shards")
-    src = root / "docs.jsonl"
-    with open(src, "w") as f:
-        for i, text in enumerate(synthetic_texts(600, seed=21, max_words=40)):
-            f.write(json.dumps({"_id": str(i), "text": text}) + "\n")
-    run_preprocess(
-        PreprocessConfig(
-            inputs=[str(src)],
-            out=str(root / "shards"),
-            tokenizer=str(tokenizer_dir),
-            max_length=64,
-            progress=False,
-        )
-    )
-    return root / "shards"
+    return make_shards(tmp_path_factory.mktemp("synthetic_shards"), tokenizer_dir, 600, seed=21)
 
 
 @pytest.fixture(scope="module")
