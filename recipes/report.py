@@ -300,9 +300,19 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
+FLOOR = {"ndcg@10": 0.01, "mrr@10": 0.01}
+"""Below these means a ranking measure says nothing about an encoder (a random ranking of a
+few thousand documents scores nDCG@10 ≈ 0.003): two encoders both below it are "both at the
+floor", and no ratio over a value below it is printed."""
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], m: str = "ndcg@10") -> str:
     """``higher`` / ``lower`` when the means of ``m`` (aggregated rows with ``n`` seeds and
-    ``m_std``) differ by more than two standard errors combined, else ``no clear difference``."""
+    ``m_std``) differ by more than two standard errors combined, else ``no clear difference``;
+    ``both at the floor`` when both means are below ``FLOOR[m]``."""
+    floor = FLOOR.get(m)
+    if floor is not None and a[m] < floor and b[m] < floor:
+        return f"both at the floor (< {floor})"
     if min(a["n"], b["n"]) < 2:
         return "one seed, no error estimate: no verdict"
     diff = a[m] - b[m]
@@ -318,7 +328,12 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
     by_key = {_key(a): a for a in agg}
 
     def ratio(a, b, m: str) -> str:
-        return f" ({a[m] / b[m]:.1f}×)" if b[m] > 0 else ""
+        floor = FLOOR.get(m, 0.0)
+        if max(a[m], b[m]) < floor:
+            return ""
+        if b[m] < floor or b[m] <= 0:
+            return f" ({b['objective']} below the floor {floor})" if floor else ""
+        return f" ({a[m] / b[m]:.1f}×)"
 
     out = []
     dense = [a for a in _sorted(agg) if a["start"] != "lexical"]

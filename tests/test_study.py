@@ -335,3 +335,20 @@ def test_reranking_measures_get_columns_and_verdicts(tmp_path):
     assert "| csl | — | BM25 | — | — | — | 0.9900 | 0.9800 | 1.0000 | — | — |" in table(
         aggregate([bm25, *rows])
     )
+
+
+def test_encoders_below_the_floor_get_no_ratio_and_no_ordering():
+    """A base of 0.0000 makes "higher" and a ratio over it meaningless: both below the
+    floor is said so; one below it gets "higher" without a ratio over the floor value."""
+    rows = [_row("none", "zero_shot", s, 0.0, "bert") for s in range(3)]
+    rows += [_row("mlm", "zero_shot", s, v, "bert") for s, v in enumerate((0.002, 0.0021, 0.0022))]
+    rows += [_row("retromae", "zero_shot", s, v, "bert") for s, v in enumerate((0.20, 0.21, 0.22))]
+    rows += [_row("seed", "zero_shot", s, v, "bert") for s, v in enumerate((0.004, 0.0041, 0.0042))]
+    lines = [v for v in verdicts(aggregate(rows)) if "mean pooling" not in v]
+    seed_mlm = next(v for v in lines if ": seed " in v and " vs mlm " in v)
+    assert seed_mlm.endswith("nDCG@10: both at the floor (< 0.01) (paper: seed > mlm)"), seed_mlm
+    assert "×" not in seed_mlm
+    retro_mlm = next(v for v in lines if ": retromae " in v and " vs mlm " in v)
+    assert "(mlm below the floor 0.01): higher" in retro_mlm, retro_mlm
+    retro_none = next(v for v in lines if ": retromae " in v and " vs none " in v)
+    assert "(none below the floor 0.01): higher" in retro_none, retro_none
