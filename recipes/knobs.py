@@ -67,7 +67,8 @@ def combined(name: str) -> dict[str, Any]:
 
 def template(study: Path) -> dict[str, Any]:
     """The reference RetroMAE continuation of ``study``: its retromae cell's config if it has
-    one, else the mlm cell's with the objective switched."""
+    one, else the mlm (or seed) cell's with the objective switched, else the base's own
+    settings continuing the base with RetroMAE's masking (30 % / 50 %)."""
     for objective in ("retromae", "mlm", "seed"):
         for path in sorted(
             (study / "cells" / "bert" / objective).glob("seed*/pretrain_config.json")
@@ -76,9 +77,16 @@ def template(study: Path) -> dict[str, Any]:
             cfg["model"]["objective"]["name"] = "retromae"
             cfg["model"]["objective"]["strong_decoder"] = False
             return cfg
+    base = study / "cells" / "bert" / "base" / "seed0"
+    if (base / "pretrain_config.json").is_file():  # only the base so far: continue its settings
+        cfg = json.loads((base / "pretrain_config.json").read_text(encoding="utf-8"))
+        cfg["model"]["encoder"]["name"] = str(base / "pretrain")
+        cfg["model"]["objective"]["name"] = "retromae"
+        cfg["masking"] = {**cfg["masking"], "encoder_ratio": 0.3, "decoder_ratio": 0.5}
+        return cfg
     raise FileNotFoundError(
-        f"{study}: no cells/bert/<objective>/seed*/pretrain_config.json; run the study or demo "
-        "there first (its base and one continuation's config are what the knobs change)"
+        f"{study}: no cells/bert/<objective>/seed*/pretrain_config.json and no base; run the "
+        "study or demo there first (its base and a continuation's config are what knobs change)"
     )
 
 
@@ -163,6 +171,26 @@ def run_knob(cfg: dict[str, Any], threads: int) -> float:
     return time.perf_counter() - t0
 
 
+def shape(cfg: dict[str, Any]) -> str:
+    """What a step costs depends on: the objective, the batch and the shards' row length."""
+    objective = cfg["model"]["objective"]["name"]
+    return f"{objective}_batch{cfg['micro_batch_size']}_{Path(cfg['data']['shards']).name}"
+
+
+def measure_rate(cfg: dict[str, Any], out: Path, steps: int = 60) -> float:
+    """Training tokens/s of ``cfg``'s shape, run alone on every CPU thread without
+    evaluations (the knob runs share the cores, so their own rates are not comparable)."""
+    run = out / "rates" / shape(cfg)
+    if not _finished(run, steps):
+        rate_cfg = json.loads(json.dumps(cfg))
+        rate_cfg.update(run_dir=str(run), max_steps=steps, log_every=max(1, steps // 6))
+        rate_cfg["checkpoint"] = {**cfg["checkpoint"], "every_steps": steps}
+        rate_cfg["eval"] = {**cfg["eval"], "beir": "", "every": 0}
+        run_knob(rate_cfg, os.cpu_count() or 1)
+    rows = [r for r in _rows(run) if "tokens_per_s" in r][1:]  # the first log holds start-up
+    return sum(r["tokens_per_s"] for r in rows) / max(1, len(rows))
+
+
 def _rows(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
     if not path.exists():
@@ -180,7 +208,9 @@ def _tail_mean(rows: list[dict[str, Any]], key: str, n: int = 3) -> float | None
     return sum(values) / len(values) if values else None
 
 
-def summarise(name: str, cfg: dict[str, Any], task: str, target: float) -> dict[str, Any]:
+def summarise(
+    name: str, cfg: dict[str, Any], task: str, target: float, alone: float | None = None
+) -> dict[str, Any]:
     rows = _rows(Path(cfg["run_dir"]))
     metric = METRIC.format(task=task)
     evals = [r for r in rows if metric in r]
@@ -195,6 +225,7 @@ def summarise(name: str, cfg: dict[str, Any], task: str, target: float) -> dict[
             (r["step"], r.get("tokens_seen", r["step"] * tokens_per_step), r[metric]) for r in evals
         ],
         "tokens_per_s": rate,
+        "tokens_per_s_alone": alone,
         "steps": cfg["max_steps"],
         "stopped_at": None if last_step >= cfg["max_steps"] else last_step,
         "last": evals[-1][metric] if evals else float("nan"),
@@ -210,7 +241,7 @@ def summarise(name: str, cfg: dict[str, Any], task: str, target: float) -> dict[
     }
     if hit is not None:
         tokens = hit.get("tokens_seen", hit["step"] * tokens_per_step)
-        out.update(hit_step=hit["step"], hit_tokens=tokens, hit_seconds=tokens / rate)
+        out.update(hit_step=hit["step"], hit_tokens=tokens, hit_seconds=tokens / (alone or rate))
     return out
 
 
@@ -240,15 +271,16 @@ def plot(results: list[dict[str, Any]], path: Path, target: float) -> Path | Non
 
 
 def table(results: list[dict[str, Any]], target: float) -> str:
+    alone = all(r["tokens_per_s_alone"] for r in results)
     lines = [
-        f"| knob | tokens/s | step at CLS nDCG@10 ≥ {target} | tokens then | training seconds then "
+        f"| knob | tokens/s{' alone' if alone else ' (runs sharing the cores)'} | step at CLS nDCG@10 ≥ {target} | tokens then | training seconds then "
         "| curve best | curve last | decoder loss, last 3 logs | decoder acc., last 3 logs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         hit = r["hit_step"] is not None
         lines.append(
-            f"| {r['knob']}{' (stopped)' if r['stopped_at'] else ''} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['knob']}{' (stopped)' if r['stopped_at'] else ''} | {r['tokens_per_s_alone'] or r['tokens_per_s']:,.0f} | "
             + (f"{r['hit_step']} | {r['hit_tokens'] / 1e6:.2f}M | {r['hit_seconds']:.0f} | "
                if hit else f"not by {r['stopped_at'] or r['steps']} | — | — | ")
             + f"{r['best']:.4f} | {r['last']:.4f} | "
@@ -274,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         help="overrides applied to every run (the reference included), JSON values",
     )  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="tabulate the runs there, start none")
+    p.add_argument(
+        "--rates",
+        action="store_true",
+        help="measure each batch/row-length shape's tokens/s alone (all threads, no evaluation) "
+        "and convert tokens to seconds with it",
+    )
+    p.add_argument("--rate-steps", type=int, default=60, help="steps of each --rates run")
     p.add_argument("--texts", nargs="*", default=[], help="the study's pre-training texts")
     args = p.parse_args(argv)
     TEXTS[:] = args.texts
@@ -307,7 +346,15 @@ def main(argv: list[str] | None = None) -> int:
                 strict=True,
             )
         )
-    results = [summarise(name, cfg, task, args.target) for name, cfg in configs.items()]
+    rates: dict[str, float] = {}
+    if args.rates:
+        for cfg in configs.values():
+            if shape(cfg) not in rates:
+                rates[shape(cfg)] = measure_rate(cfg, out, args.rate_steps)
+    results = [
+        summarise(name, cfg, task, args.target, rates.get(shape(cfg)))
+        for name, cfg in configs.items()
+    ]
     for r in results:
         r["wall_s"] = walls[r["knob"]]
     (out / "knobs.json").write_text(json.dumps(results, indent=2), encoding="utf-8")

@@ -26,6 +26,7 @@ def test_demo_runs_end_to_end(tmp_path):
     every objective, stage and pooling runs, BM25 is the reference row, the report has the
     table, verdicts, the bar plot and the zero-shot curve, and ``--beir`` evaluates every
     encoder on another collection too."""
+    from recipes.study_config import DEMO
     from retromae_ds.data.builtin_corpus import split_for_retrieval, write_beir
 
     extra = write_beir(tmp_path / "extra", *split_for_retrieval(list(iter_documents(400)), 4))
@@ -66,10 +67,11 @@ def test_demo_runs_end_to_end(tmp_path):
         if "base" not in config.parts:
             assert json.loads(config.read_text())["model"]["encoder"]["name"] == str(base_run)
     # the curve: evaluations logged during pre-training, with the tokens seen
+    every = max(1, 6 // DEMO["curve_points"])  # curve_every of the 6-step continuations
     for p in summary["pretraining"]:
-        every_three = list(range(0, p["steps"] + 1, 3))  # curve_every: steps // 2 = 3
-        every_three += [] if p["steps"] % 3 == 0 else [p["steps"]]
-        assert [c["step"] for c in p["curve"]] == every_three
+        points = list(range(0, p["steps"] + 1, every))
+        points += [] if p["steps"] % every == 0 else [p["steps"]]
+        assert [c["step"] for c in p["curve"]] == points
         assert p["curve"][-1]["tokens_seen"] == p["tokens_seen"] > 0
     report = (out / "study.md").read_text()
     assert "| builtin | bert | retromae | zero_shot | cls | 2 |" in report
@@ -97,6 +99,35 @@ def test_demo_runs_end_to_end(tmp_path):
     assert json.loads((out / "study_results.json").read_text())["rows"] == [
         r for r in summary["rows"] if r["task"] == "builtin"
     ]
+    # the knob table (scripts/knobs.py) continues this base, one knob changed per run
+    knobs = tmp_path / "knobs"
+    kcmd = [sys.executable, "scripts/knobs.py", "--study", str(out), "--out", str(knobs)]
+    kcmd += ["--steps", "4", "--every", "2", "--target", "0", "--jobs", "2"]
+    kcmd += ["--rates", "--rate-steps", "3"]
+    kcmd += ["--knobs", "reference", "lr=3e-3", "shard_length=64"]
+    ran = subprocess.run(kcmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    configs = {
+        name: json.loads((knobs / "runs" / f"{name}_config.json").read_text())
+        for name in ("reference", "lr_3e-3", "shard_length_64")
+    }
+    ref = configs["reference"]
+    assert ref["model"]["objective"]["name"] == "retromae"
+    assert ref["model"]["encoder"]["name"] == str(base_run)
+    assert configs["lr_3e-3"]["optim"] == {**ref["optim"], "lr": 3e-3}
+    assert configs["lr_3e-3"]["data"] == ref["data"]
+    cut = json.loads(
+        Path(configs["shard_length_64"]["data"]["shards"], "manifest.json").read_text()
+    )
+    assert cut["max_length"] == 64 and cut["counts"]["documents"] == 1500
+    results = {r["knob"]: r for r in json.loads((knobs / "knobs.json").read_text())}
+    assert set(results) == {"reference", "lr=3e-3", "shard_length=64"}
+    for r in results.values():
+        assert [c[0] for c in r["curve"]] == [0, 2, 4] and r["hit_step"] == 0
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_alone"] > 0 and r["decoder_loss"] > 0
+    rates = sorted(p.name for p in (knobs / "rates").iterdir() if p.is_dir())
+    assert rates == ["retromae_batch32_shards_64", "retromae_batch32_shards_scratch"]
+    assert "| lr=3e-3 |" in (knobs / "knobs.md").read_text()
 
 
 def test_builtin_task_splits_queries_into_train_and_test(tmp_path):
