@@ -90,10 +90,11 @@ def run_demo(
         finetune_objectives={"bert": list(objectives)},
         vocab_size=DEMO["vocab_size"],
         base_steps=base_steps,
-        base_lr=DEMO["lr"],
+        base_lr=DEMO["base_lr"],
         pretrain_steps={"bert": steps},
+        pretrain_batch={"bert": DEMO["batch"]},
         pretrain_lr={"bert": DEMO["lr"]},
-        curve_every={"bert": max(1, steps // 2)},
+        curve_every={"bert": max(1, steps // DEMO["curve_points"])},
         finetune_steps={"bert": finetune_steps},
         **({"seeds": list(seeds)} if seeds is not None else {}),
     )
@@ -101,7 +102,8 @@ def run_demo(
     print(
         f"protocol: one MLM base ({base_steps} steps of {cfg.base_batch} × {cfg.max_length} "
         f"tokens), continued by {', '.join(o for o in cfg.objectives if o != 'none')} × seeds "
-        f"{cfg.seeds} ({steps} steps each); zero-shot, then {finetune_steps} fine-tuning steps",
+        f"{cfg.seeds} ({steps} steps of {DEMO['batch']} at lr {DEMO['lr']:g} each); zero-shot, "
+        f"then {finetune_steps} fine-tuning steps",
         flush=True,
     )
     rows = study.run()
