@@ -29,6 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from retromae_ds.layout import RunLayout
+from retromae_ds.metrics_log import read_rows
+
 KNOBS: dict[str, dict[str, Any]] = {
     "reference": {},
     "decoder_ratio=0.7": {"masking.decoder_ratio": 0.7},
@@ -187,19 +190,17 @@ def measure_rate(cfg: dict[str, Any], out: Path, steps: int = 60) -> float:
         rate_cfg["checkpoint"] = {**cfg["checkpoint"], "every_steps": steps}
         rate_cfg["eval"] = {**cfg["eval"], "beir": "", "every": 0}
         run_knob(rate_cfg, os.cpu_count() or 1)
-    rows = [r for r in _rows(run) if "tokens_per_s" in r][1:]  # the first log holds start-up
+    rows = [r for r in _rows(run)[0] if "tokens_per_s" in r][1:]  # the first log holds start-up
     return sum(r["tokens_per_s"] for r in rows) / max(1, len(rows))
 
 
-def _rows(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+def _rows(run: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training rows, evaluation rows) of a run's metrics (``metrics_log.read_rows``)."""
+    return read_rows(RunLayout(run))
 
 
 def _finished(run: Path, steps: int) -> bool:
-    return any(r.get("step") == steps and "loss" in r for r in _rows(run))
+    return any(r.get("step") == steps for r in _rows(run)[0])
 
 
 def _tail_mean(rows: list[dict[str, Any]], key: str, n: int = 3) -> float | None:
@@ -211,10 +212,9 @@ def _tail_mean(rows: list[dict[str, Any]], key: str, n: int = 3) -> float | None
 def summarise(
     name: str, cfg: dict[str, Any], task: str, target: float, alone: float | None = None
 ) -> dict[str, Any]:
-    rows = _rows(Path(cfg["run_dir"]))
+    train, evals = _rows(Path(cfg["run_dir"]))
     metric = METRIC.format(task=task)
-    evals = [r for r in rows if metric in r]
-    train = [r for r in rows if "loss" in r]
+    evals = [r for r in evals if metric in r]
     rate = sum(r["tokens_per_s"] for r in train) / max(1, len(train))
     tokens_per_step = train[-1]["tokens_seen"] / train[-1]["step"] if train else 0.0
     hit = next((r for r in evals if r[metric] >= target), None)
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     if args.report_only:
-        configs = {n: c for n, c in configs.items() if _rows(Path(c["run_dir"]))}
+        configs = {n: c for n, c in configs.items() if any(_rows(Path(c["run_dir"])))}
     with ThreadPoolExecutor(args.jobs if not args.report_only else 1) as pool:
         walls = dict(
             zip(

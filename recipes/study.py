@@ -364,10 +364,9 @@ class Study:
         from retromae_ds.export import export_encoder
 
         export_encoder(config.run_dir, encoder)
-        lines = RunLayout(config.run_dir).metrics.read_text().splitlines()
-        rows = [json.loads(x) for x in lines]
-        train = [r for r in rows if "loss" in r]
-        curve = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        from retromae_ds.metrics_log import read_rows
+
+        train, curve = read_rows(RunLayout(config.run_dir))
         _write_json(
             {
                 "seconds": time.perf_counter() - t,

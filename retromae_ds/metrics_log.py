@@ -17,6 +17,18 @@ from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.layout import RunLayout
 
 
+def read_rows(layout: RunLayout) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of a run's ``metrics.jsonl`` (none if it has none yet), split into training
+    rows (those with a ``loss``) and evaluation rows (those with an ``eval/`` measure)."""
+    path = layout.metrics
+    if not path.exists():
+        return [], []
+    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x]
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return train, evals
+
+
 def supersede_rows(layout: RunLayout, step: int) -> int:
     """Move the rows of ``metrics.jsonl`` that a run starting at ``step`` logs again (every
     row after ``step``; every row when it starts afresh at 0), and any unreadable line (a
