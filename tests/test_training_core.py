@@ -78,12 +78,13 @@ def test_fault_points_are_checked(monkeypatch):
     faults.crash("crash_in_save_at_step", 3)
 
 
-def _toy(run: Path, *args: str) -> list[dict]:
+def _toy(run: Path, *args: str, env: dict[str, str] | None = None) -> list[dict]:
     cmd = [sys.executable, str(REPO / "tests" / "trainer_toy.py"), "--run_dir", str(run),
            "--progress", "false", "--log_every", "1", *args]  # fmt: skip
     result = subprocess.run(
-        cmd, cwd=run.parent, env=ENV, capture_output=True, text=True, timeout=300
-    )
+        cmd, cwd=run.parent, env={**ENV, **(env or {})}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -119,3 +120,20 @@ def test_trainer_hooks_accumulation_and_exact_resume_on_a_toy_task(tmp_path):
     for a, b in zip(whole, resumed, strict=True):
         assert (a["step"], a["loss"], a["close"], a["boundaries"]) == (
             b["step"], b["loss"], b["close"], b["boundaries"])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_logged_rates_leave_evaluations_out_even_inside_a_log_window(tmp_path):
+    """Every step sleeps 0.2 s, so a window of 4 steps takes at least 0.8 s: no logged rate can
+    exceed 16 samples / 0.8 s. Evaluations (2 s each) every 2 steps land inside the windows of
+    4 and before step 1; counting them would put the rate below 16 / 2.8 s. (Before the fix an
+    evaluation inside a window restarted its clock: the rate was that of half the window's
+    samples over the other half's time, twice the truth.)"""
+    env = {**faults.env(sleep_after_step_s=0.2), "TOY_EVAL_EVERY": "2", "TOY_EVAL_SLEEP_S": "2"}
+    rows = _toy(tmp_path / "run", "--max_steps", "8", "--micro_batch_size", "4",
+                "--log_every", "4", env=env)  # fmt: skip
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/toy" in r]
+    assert [r["step"] for r in train] == [4, 8] and [r["step"] for r in evals] == [0, 2, 4, 6, 8]
+    for row in train:
+        assert 16 / 2.8 < row["samples_per_s"] <= 16 / 0.8, row

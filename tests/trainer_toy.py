@@ -5,12 +5,16 @@ regression model on a real DeepSpeed engine (CPU, one rank), batches drawn throu
 resumable sampler with noise from the global torch RNG (so resume must restore it), and hooks
 that record, in order, every call the loop makes (``events.jsonl``) and carry task state
 across a resume (a count of step boundaries, saved in each rank's checkpoint state).
+``TOY_EVAL_EVERY=N TOY_EVAL_SLEEP_S=S`` add an evaluation hook every N steps that takes S
+seconds (the logged rates must leave its time out).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +100,13 @@ def main(argv: list[str]) -> None:
             log_fields=log_fields,
             after_step=after_step,
         )
+        if os.environ.get("TOY_EVAL_EVERY"):
+
+            def evaluate() -> dict:
+                time.sleep(float(os.environ.get("TOY_EVAL_SLEEP_S", "0")))
+                return {"eval/toy": 1.0}
+
+            hooks.evaluate, hooks.eval_every = evaluate, int(os.environ["TOY_EVAL_EVERY"])
         trainer.fit(batches(), hooks)
 
 

@@ -263,11 +263,11 @@ class Trainer:
         last: dict[str, Any] = {}
         window: list[torch.Tensor] = []
         counts: dict[str, float] = {}
-        t_last = time.perf_counter()
         bad_loss = torch.zeros((), dtype=torch.bool, device=dist.device)
         try:
             if hooks.evaluate is not None and step == 0:
                 self._eval_row(step, hooks)
+            t_last = time.perf_counter()  # the rates measure training alone: no evaluation
             while step < self.max_steps:
                 batch = next(batches)
                 batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
@@ -305,8 +305,11 @@ class Trainer:
                 if hooks.evaluate is not None and (
                     step == self.max_steps or (hooks.eval_every and step % hooks.eval_every == 0)
                 ):
+                    t_eval = time.perf_counter()
                     self._eval_row(step, hooks)
-                    t_last = time.perf_counter()  # the rates measure training alone
+                    # an evaluation inside a log window moves its start: the rows' rates
+                    # measure the window's training steps alone, over the time they took
+                    t_last += time.perf_counter() - t_eval
                 if hooks.after_step is not None:
                     hooks.after_step(step)
                 every = cfg.checkpoint.every_steps
