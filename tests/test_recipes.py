@@ -234,3 +234,42 @@ def test_chinese_protocol_uses_the_chinese_vocab_jieba_csl_and_reranking(
     assert study._saved_rows(path) is None
     path.write_text(json.dumps({"rows": [{"metrics": {"ndcg@10": 0.1, "rerank_map": 0.2}}]}))
     assert study._saved_rows(path) == [{"metrics": {"ndcg@10": 0.1, "rerank_map": 0.2}}]
+
+
+def test_knob_configs_change_only_their_fields_and_stay_valid_train_configs(tmp_path):
+    """scripts/knobs.py's runs, built without running: the study's continuation config is the
+    template (objective switched to RetroMAE), each knob changes only its fields, a batch knob
+    scales the steps to keep the tokens equal, and every result is a valid TrainConfig."""
+    from recipes import knobs
+
+    study = _study("bert", tmp_path)
+    cell = study.cell("bert", "mlm", 0)
+    write_config(study.pretrain_config("bert", "mlm", 0), cell / "pretrain_config.json")
+    ref = knobs.template(study.out)
+    assert ref["model"]["objective"]["name"] == "retromae"
+    assert ref["model"]["encoder"]["name"] == study.base_config().run_dir
+    out = tmp_path / "knobs"
+    built = {
+        name: knobs.knob_config(ref, name, knobs.combined(name), 40, 10, out, study.out)
+        for name in ("reference", "lr=3e-3", "batch=16", "lr=3e-3+batch=16")
+    }
+    plain = built["reference"]
+    assert (plain["max_steps"], plain["eval"]["every"], plain["optim"]) == (40, 10, ref["optim"])
+    assert built["lr=3e-3"]["optim"] == {**ref["optim"], "lr": 3e-3}
+    assert built["lr=3e-3"]["data"] == ref["data"] == plain["data"]
+    half = built["batch=16"]
+    assert (half["micro_batch_size"], half["max_steps"], half["eval"]["every"]) == (16, 80, 20)
+    both = built["lr=3e-3+batch=16"]
+    assert (both["optim"]["lr"], both["micro_batch_size"], both["max_steps"]) == (3e-3, 16, 80)
+    assert len({c["run_dir"] for c in built.values()}) == len(built)
+    for name, cfg in built.items():
+        path = write_config(build_config(TrainConfig, _json(tmp_path / f"{name}.json", cfg), []),
+                            tmp_path / f"{name}.back.json")  # fmt: skip
+        assert json.loads(path.read_text())["optim"] == cfg["optim"]
+    with pytest.raises(KeyError, match="not in the pre-training config"):
+        knobs.knob_config(ref, "typo", {"optim.lrr": 1.0}, 40, 10, out, study.out)
+
+
+def _json(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
