@@ -52,19 +52,41 @@ def builtin_task(folder: Path, max_docs: int | None = None, test_every: int = 3)
     return write_beir(folder, corpus, queries, test, train)
 
 
+def with_sizes(budget: dict, **sizes: int | None) -> dict:
+    """``budget`` with the sizes given (not None) in place of its own; a name it lacks is an
+    error."""
+    unknown = sorted(set(sizes) - set(budget))
+    if unknown:
+        raise ValueError(f"not a size of the demo's budget: {unknown}; known: {sorted(budget)}")
+    return {**budget, **{k: v for k, v in sizes.items() if v is not None}}
+
+
 def run_demo(
     out: str | Path,
     *,
+    budget: dict = DEMO,
     workers: int = 2,
-    max_docs: int | None = DEMO["max_docs"],
-    base_steps: int = DEMO["base_steps"],
-    steps: int = DEMO["steps"],
-    finetune_steps: int = DEMO["finetune_steps"],
+    max_docs: int | None = None,
+    base_steps: int | None = None,
+    steps: int | None = None,
+    finetune_steps: int | None = None,
     seeds: list[int] | None = None,
     objectives: tuple[str, ...] = ("none", "mlm", "retromae"),
     beir: list[str] | None = None,
     command: str = "retromae-ds demo",
 ) -> dict:
+    """The main job at ``budget`` (``DEMO``, or ``DEMO_FULL`` for ``--full``); a size given
+    here (not None) replaces the budget's (``max_docs`` 0: every built-in document)."""
+    budget = with_sizes(
+        budget,
+        max_docs=max_docs,
+        base_steps=base_steps,
+        steps=steps,
+        finetune_steps=finetune_steps,
+    )
+    max_docs = budget["max_docs"] or None
+    base_steps, steps = budget["base_steps"], budget["steps"]
+    finetune_steps = budget["finetune_steps"]
     out = Path(out)
     t0 = time.perf_counter()
     task = builtin_task(out / "builtin", max_docs)
@@ -88,13 +110,13 @@ def run_demo(
         workers=workers,
         objectives=list(objectives),
         finetune_objectives={"bert": list(objectives)},
-        vocab_size=DEMO["vocab_size"],
+        vocab_size=budget["vocab_size"],
         base_steps=base_steps,
-        base_lr=DEMO["base_lr"],
+        base_lr=budget["base_lr"],
         pretrain_steps={"bert": steps},
-        pretrain_batch={"bert": DEMO["batch"]},
-        pretrain_lr={"bert": DEMO["lr"]},
-        curve_every={"bert": max(1, steps // DEMO["curve_points"])},
+        pretrain_batch={"bert": budget["batch"]},
+        pretrain_lr={"bert": budget["lr"]},
+        curve_every={"bert": max(1, steps // budget["curve_points"])},
         finetune_steps={"bert": finetune_steps},
         **({"seeds": list(seeds)} if seeds is not None else {}),
     )
@@ -102,7 +124,7 @@ def run_demo(
     print(
         f"protocol: one MLM base ({base_steps} steps of {cfg.base_batch} × {cfg.max_length} "
         f"tokens), continued by {', '.join(o for o in cfg.objectives if o != 'none')} × seeds "
-        f"{cfg.seeds} ({steps} steps of {DEMO['batch']} at lr {DEMO['lr']:g} each); zero-shot, "
+        f"{cfg.seeds} ({steps} steps of {budget['batch']} at lr {budget['lr']:g} each); zero-shot, "
         f"then {finetune_steps} fine-tuning steps",
         flush=True,
     )

@@ -203,6 +203,11 @@ DEMO = {
 """The main job's budget (``recipes.demo``; measured time and the knob table that chose the
 continuations' learning rate and batch: docs/results.md)."""
 
+DEMO_FULL = {**DEMO, "steps": 1000, "curve_points": 10}
+"""``retromae-ds demo --full``: the main job's protocol with continuations long enough for
+RetroMAE's CLS vector to become a retriever on this task (the budget read off the curve of
+docs/results.md, "The main job, --full")."""
+
 
 def bert_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     """The RetroMAE report's protocol in miniature (``--bert``): an MLM base pre-trained here

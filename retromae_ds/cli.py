@@ -182,11 +182,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from recipes.demo import run_demo  # the experiment lives outside the library
+    from recipes.study_config import DEMO, DEMO_FULL
 
     run_demo(
-        args.out,
+        args.out or ("runs/demo_full" if args.full else "runs/demo"),
+        budget=DEMO_FULL if args.full else DEMO,
         workers=args.workers,
-        max_docs=args.max_docs or None,
+        max_docs=args.max_docs,
         base_steps=args.base_steps,
         steps=args.steps,
         finetune_steps=args.finetune_steps,
@@ -301,35 +303,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("finetune", help="ANCE fine-tuning on DeepSpeed (--config FILE, --a.b VALUE)")
     sub.add_parser("refresh", help="hard-negative refresher of a fine-tuning run (--run_dir RUN)")
 
-    from recipes.study_config import DEMO  # no torch import
+    from recipes.study_config import DEMO, DEMO_FULL  # no torch import
 
     p = sub.add_parser("demo", help="the main job: the study's MLM-base protocol, built-in corpus")
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the longer budget that reaches the RetroMAE report's effect on this task "
+        f"({DEMO_FULL['steps']} continuation steps instead of {DEMO['steps']}; "
+        f"docs/results.md); default --out runs/demo_full",
+    )
+    p.add_argument("--out", default=None, help="default runs/demo (--full: runs/demo_full)")
     p.add_argument("--workers", type=int, default=2, help="tokenization processes")
-    p.add_argument(
-        "--max-docs",
-        type=int,
-        default=DEMO["max_docs"],
-        help=f"use the first N built-in documents (default {DEMO['max_docs']}; 0: all)",
-    )
-    p.add_argument(
-        "--base-steps",
-        type=int,
-        default=DEMO["base_steps"],
-        help=f"steps of the MLM base (default {DEMO['base_steps']})",
-    )
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=DEMO["steps"],
-        help=f"continued pre-training steps per objective (default {DEMO['steps']})",
-    )
-    p.add_argument(
-        "--finetune-steps",
-        type=int,
-        default=DEMO["finetune_steps"],
-        help=f"fine-tuning steps (default {DEMO['finetune_steps']})",
-    )
+    for flag, key, what in (
+        ("--max-docs", "max_docs", "use the first N built-in documents (0: all)"),
+        ("--base-steps", "base_steps", "steps of the MLM base"),
+        ("--steps", "steps", "continued pre-training steps per objective"),
+        ("--finetune-steps", "finetune_steps", "fine-tuning steps"),
+    ):
+        p.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help=f"{what} (default {DEMO[key]}; --full: {DEMO_FULL[key]})",
+        )
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2")
     p.add_argument(
         "--objectives",

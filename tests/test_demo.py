@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from retromae_ds.cli import parse_size
 from retromae_ds.data.builtin_corpus import iter_documents
 
@@ -156,3 +158,20 @@ def test_parse_size():
     assert parse_size("512KiB") == 512 * 2**10
     assert parse_size("1g") == 2**30
     assert parse_size("1000") == 1000
+
+
+def test_demo_full_is_the_longer_budget_and_given_sizes_replace_the_budgets():
+    from recipes.demo import with_sizes
+    from recipes.study_config import DEMO, DEMO_FULL
+    from retromae_ds.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--full", "--seeds", "0"])
+    assert args.full and args.out is None and args.steps is None
+    assert DEMO_FULL["steps"] > DEMO["steps"]
+    # only the continuations' length and the curve's points differ from the main job
+    assert {k for k in DEMO if DEMO[k] != DEMO_FULL[k]} == {"steps", "curve_points"}
+    assert with_sizes(DEMO_FULL, steps=None, max_docs=None) == DEMO_FULL
+    resized = with_sizes(DEMO_FULL, steps=8, max_docs=0)
+    assert (resized["steps"], resized["max_docs"], resized["lr"]) == (8, 0, DEMO_FULL["lr"])
+    with pytest.raises(ValueError, match="stepz"):
+        with_sizes(DEMO, stepz=3)
