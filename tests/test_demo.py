@@ -23,7 +23,7 @@ def test_builtin_corpus_is_deterministic_and_has_unique_ids():
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    """The README's main job, shortened (1,500 documents, 2 seeds, a 10-step MLM base, 4-step
+    """The README's main job, shortened (1,500 documents, 1 seed, a 10-step MLM base, 4-step
     continuations, 4 fine-tuning steps): the base is trained once and every arm continues it,
     every objective of the demo, stage and pooling runs, BM25 is the reference row, the report has the
     table, verdicts, the bar plot and the zero-shot curve, and ``--beir`` evaluates every
@@ -35,7 +35,7 @@ def test_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "retromae_ds.cli", "demo", "--out", str(out), "--max-docs"]
     cmd += ["1500", "--base-steps", "10", "--steps", "4", "--finetune-steps", "4"]
-    cmd += ["--seeds", "0", "1"]  # the demo's objectives: none, mlm, retromae
+    cmd += ["--seeds", "0"]  # the demo's objectives: none, mlm, retromae (seeds: test_study)
     result = subprocess.run(
         cmd + ["--beir", str(extra)], capture_output=True, text=True, cwd=REPO, timeout=1200
     )
@@ -52,7 +52,7 @@ def test_demo_runs_end_to_end(tmp_path):
         for o in ("none", "mlm", "retromae")
         for s in ("zero_shot", "bm25")
         for p in ("cls", "mean")
-        for seed in (0, 1)
+        for seed in (0,)
     }
     bm25 = [r for r in summary["rows"] if r["start"] == "lexical"]
     assert {r["task"] for r in bm25} == {"builtin", "extra"}
@@ -60,7 +60,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert all(0.0 <= r["metrics"]["ndcg@10"] <= 1.0 for r in summary["rows"])
     steps = {(p["objective"], p["seed"], p["steps"]) for p in summary["pretraining"]}
     assert steps == {("base", 0, 10)} | {
-        (o, seed, 4) for o in ("mlm", "retromae") for seed in (0, 1)
+        (o, seed, 4) for o in ("mlm", "retromae") for seed in (0,)
     }
     # one base, trained once, and every arm continued it (its run, MLM head included)
     base_run = out / "cells" / "bert" / "base" / "seed0" / "pretrain"
@@ -76,7 +76,7 @@ def test_demo_runs_end_to_end(tmp_path):
         assert [c["step"] for c in p["curve"]] == points
         assert p["curve"][-1]["tokens_seen"] == p["tokens_seen"] > 0
     report = (out / "study.md").read_text()
-    assert "| builtin | bert | retromae | zero_shot | cls | 2 |" in report
+    assert "| builtin | bert | retromae | zero_shot | cls | 1 |" in report
     assert "| builtin | — | BM25 |" in report
     assert "builtin, bert, zero_shot: retromae " in report and "(paper: retromae > mlm)" in report
     assert "(RetroMAE report: continued pre-training lifts an MLM base: retromae > none)" in report
