@@ -59,9 +59,7 @@ def test_demo_runs_end_to_end(tmp_path):
     assert all(r["metrics"]["ndcg@10"] > 0.2 for r in bm25)  # a real lexical baseline
     assert all(0.0 <= r["metrics"]["ndcg@10"] <= 1.0 for r in summary["rows"])
     steps = {(p["objective"], p["seed"], p["steps"]) for p in summary["pretraining"]}
-    assert steps == {("base", 0, 10)} | {
-        (o, seed, 4) for o in ("mlm", "retromae") for seed in (0,)
-    }
+    assert steps == {("base", 0, 10)} | {(o, seed, 4) for o in ("mlm", "retromae") for seed in (0,)}
     # one base, trained once, and every arm continued it (its run, MLM head included)
     base_run = out / "cells" / "bert" / "base" / "seed0" / "pretrain"
     assert len(list((out / "cells" / "bert").glob("base/seed*/pretrain.log"))) == 1
