@@ -309,9 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--full",
         action="store_true",
-        help=f"the longer budget that reaches the RetroMAE report's effect on this task "
-        f"({DEMO_FULL['steps']} continuation steps instead of {DEMO['steps']}; "
-        f"docs/results.md); default --out runs/demo_full",
+        help=f"the longer budget: {DEMO_FULL['steps']} continuation steps instead of "
+        f"{DEMO['steps']} (measured: docs/results.md); default --out runs/demo_full",
     )
     p.add_argument("--out", default=None, help="default runs/demo (--full: runs/demo_full)")
     p.add_argument("--workers", type=int, default=2, help="tokenization processes")

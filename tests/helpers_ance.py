@@ -68,26 +68,35 @@ def write_tiny_encoder(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path
     return folder
 
 
-def scifact_slice(src: Path, dst: Path, extra_docs: int) -> Path:
-    """Every document judged in train or test, plus ``extra_docs`` others (fixed seed)."""
-    judged = set()
-    for split in ("train", "test"):
-        for line in (src / "qrels" / f"{split}.tsv").read_text().splitlines()[1:]:
-            judged.add(line.split("\t")[1])
+def scifact_slice(src: Path, dst: Path, extra_docs: int, test_queries: int | None = None) -> Path:
+    """Every document judged in train or test, plus ``extra_docs`` others (fixed seed). With
+    ``test_queries``: only the first that many test queries (file order) and their judgements,
+    the corpus every document they judge plus ``extra_docs`` others."""
+    rows = {
+        split: (src / "qrels" / f"{split}.tsv").read_text().splitlines()
+        for split in ("train", "test")
+    }
+    if test_queries is not None:
+        first = list(dict.fromkeys(row.split("\t")[0] for row in rows["test"][1:]))
+        kept = set(first[:test_queries])
+        rows = {
+            "test": rows["test"][:1] + [r for r in rows["test"][1:] if r.split("\t")[0] in kept]
+        }
+    judged = {row.split("\t")[1] for split_rows in rows.values() for row in split_rows[1:]}
     lines = (src / "corpus.jsonl").read_text().splitlines()
-    others = [i for i, line in enumerate(lines) if json.loads(line)["_id"] not in judged]
+    ids = [json.loads(line)["_id"] for line in lines]
+    others = [i for i, doc in enumerate(ids) if doc not in judged]
     keep = set(random.Random(0).sample(others, extra_docs))
     (dst / "qrels").mkdir(parents=True)
     (dst / "corpus.jsonl").write_text(
-        "".join(
-            line + "\n"
-            for i, line in enumerate(lines)
-            if i in keep or json.loads(line)["_id"] in judged
-        )
+        "".join(line + "\n" for i, line in enumerate(lines) if i in keep or ids[i] in judged)
     )
     shutil.copy(src / "queries.jsonl", dst / "queries.jsonl")
-    for split in ("train", "test"):
-        shutil.copy(src / "qrels" / f"{split}.tsv", dst / "qrels" / f"{split}.tsv")
+    for split, split_rows in rows.items():
+        if test_queries is None:  # the files as they are (SciFact's qrels end lines in CRLF)
+            shutil.copy(src / "qrels" / f"{split}.tsv", dst / "qrels" / f"{split}.tsv")
+        else:
+            (dst / "qrels" / f"{split}.tsv").write_text("\n".join(split_rows) + "\n")
     return dst
 
 

@@ -304,34 +304,6 @@ def test_scifact_ndcg_matches_reference(shared_data, minilm_dir, tmp_path):
     assert result["metrics"]["recall@100"] <= result["metrics"]["recall@1000"] <= 1
 
 
-def _scifact_sub_collection(src: Path, dst: Path, queries: int, others: int) -> Path:
-    """The first ``queries`` test queries of SciFact with their judgements, and a corpus of
-    every document they judge plus ``others`` more (fixed seed), in BEIR layout."""
-    import random
-    import shutil
-
-    rows = (src / "qrels" / "test.tsv").read_text().splitlines()
-    kept_queries: list[str] = []
-    for row in rows[1:]:
-        qid = row.split("\t")[0]
-        if qid not in kept_queries:
-            kept_queries.append(qid)
-    kept_queries = kept_queries[:queries]
-    kept_rows = [row for row in rows[1:] if row.split("\t")[0] in kept_queries]
-    judged = {row.split("\t")[1] for row in kept_rows}
-    lines = (src / "corpus.jsonl").read_text().splitlines()
-    ids = [json.loads(line)["_id"] for line in lines]
-    rest = [i for i, doc in enumerate(ids) if doc not in judged]
-    keep = set(random.Random(0).sample(rest, others))
-    (dst / "qrels").mkdir(parents=True)
-    (dst / "corpus.jsonl").write_text(
-        "".join(line + "\n" for i, line in enumerate(lines) if i in keep or ids[i] in judged)
-    )
-    shutil.copy(src / "queries.jsonl", dst / "queries.jsonl")
-    (dst / "qrels" / "test.tsv").write_text("\n".join([rows[0], *kept_rows]) + "\n")
-    return dst
-
-
 @pytest.mark.slow
 def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, tmp_path):
     """A SciFact sub-collection (100 test queries; the 100+ documents they judge and 400
@@ -340,9 +312,11 @@ def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, 
     scifact = shared_data / "scifact"
     if not (scifact / "corpus.jsonl").is_file():
         pytest.skip(f"{scifact} is absent")
+    from helpers_ance import scifact_slice
+
     ir_measures = pytest.importorskip("ir_measures", reason="ir-measures (dev extra)")
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (dev extra)")
-    sub = _scifact_sub_collection(scifact, tmp_path / "sub", queries=100, others=400)
+    sub = scifact_slice(scifact, tmp_path / "sub", extra_docs=400, test_queries=100)
     result = evaluate_beir(
         minilm_dir,
         sub,
