@@ -38,6 +38,8 @@ KNOBS: dict[str, dict[str, Any]] = {
     "decoder_ratio=0.9": {"masking.decoder_ratio": 0.9},
     "decoder_ratio=1.0": {"masking.decoder_ratio": 1.0},
     "encoder_ratio=0.15": {"masking.encoder_ratio": 0.15},
+    "encoder_ratio=0.4": {"masking.encoder_ratio": 0.4},
+    "encoder_ratio=0.5": {"masking.encoder_ratio": 0.5},
     "lr=2e-3": {"optim.lr": 2e-3},
     "lr=3e-3": {"optim.lr": 3e-3},
     "lr=5e-3": {"optim.lr": 5e-3},
@@ -51,6 +53,9 @@ KNOBS: dict[str, dict[str, Any]] = {
     "batch=64": {"micro_batch_size": 64, "steps_scale": 0.5},
     "shard_length=64": {"shard_length": 64},
     "dropout=0": {"model.encoder.dropout": 0.0},
+    "decoder_lr=5x": {"optim.decoder_lr_scale": 5.0},
+    "decoder_lr=10x": {"optim.decoder_lr_scale": 10.0},
+    "decoder_lr=20x": {"optim.decoder_lr_scale": 20.0},
 }
 """The knobs measured (name -> overrides). ``steps_scale`` keeps the tokens of the run equal
 when the batch changes."""
@@ -98,9 +103,21 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     node = cfg
     for key in parents:
         node = node[key]
-    if leaf not in node:
+    if leaf not in node and leaf not in _current_fields(parents):
         raise KeyError(f"knob field {dotted!r} is not in the pre-training config")
     node[leaf] = value
+
+
+def _current_fields(parents: list[str]) -> dict[str, Any]:
+    """The fields of section ``parents`` in this version's pre-training config (a study's saved
+    config predates fields added since: they may still be set)."""
+    from retromae_ds.config import to_dict
+    from retromae_ds.train import DataConfig, TrainConfig
+
+    node: dict[str, Any] = to_dict(TrainConfig(data=DataConfig(shards="-"), max_steps=1))
+    for key in parents:
+        node = node.get(key, {})
+    return node
 
 
 def shards_at(study: Path, base_shards: Path, length: int, out: Path) -> Path:

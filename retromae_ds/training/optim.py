@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -28,23 +29,35 @@ def lr_lambda(cfg: OptimConfig, max_steps: int):
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and norms. With ``encoder_frozen_steps`` the encoder
-    body's parameters get groups of their own (marked ``body``) for ``build_scheduler``."""
+    body's parameters get groups of their own (marked ``body``) for ``build_scheduler``; with
+    ``decoder_lr_scale`` != 1 the model's ``decoder`` gets groups of their own at
+    ``lr * decoder_lr_scale`` (the schedule scales every group alike)."""
     body = set()
     if cfg.encoder_frozen_steps:
         encoder = getattr(model, "encoder", None)
         if encoder is None or not hasattr(encoder, "base_model"):
             raise ValueError("optim.encoder_frozen_steps needs a model with an encoder body")
         body = {id(p) for p in encoder.base_model.parameters()}
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    decoder = set()
+    if cfg.decoder_lr_scale != 1.0:
+        module = getattr(model, "decoder", None)
+        if module is None:
+            raise ValueError(
+                "optim.decoder_lr_scale needs a model with a decoder (objective retromae or "
+                f"seed); this one has none: leave it at 1.0, not {cfg.decoder_lr_scale}"
+            )
+        decoder = {id(p) for p in module.parameters()}
+    groups: dict[tuple[bool, bool, bool], list[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         decays = not (p.ndim < 2 or "norm" in name.lower())
-        groups.setdefault((id(p) in body, decays), []).append(p)
+        groups.setdefault((id(p) in body, id(p) in decoder, decays), []).append(p)
     param_groups = [
-        {"params": groups[key], "weight_decay": cfg.weight_decay if key[1] else 0.0}
+        {"params": groups[key], "weight_decay": cfg.weight_decay if key[2] else 0.0}
         | ({"body": True} if key[0] else {})
-        for key in ((False, True), (False, False), (True, True), (True, False))
+        | ({"lr": cfg.lr * cfg.decoder_lr_scale} if key[1] else {})
+        for key in itertools.product((False, True), (False, True), (True, False))
         if key in groups
     ]
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
