@@ -380,12 +380,6 @@ class CheckpointManager:
         newest = latest_complete(self.layout.checkpoints)
         return None if newest is None else read_marker(newest)["step"]
 
-    def restore(self, engine, resume: str) -> Restored | None:
-        """Load the checkpoint ``resume`` names (``auto``, ``none`` or a path) into
-        ``engine`` and this process's RNG; None when there is nothing to resume."""
-        checkpoint = self.choose(resume)
-        return None if checkpoint is None else self.load(engine, checkpoint)
-
     def choose(self, resume: str) -> Path | None:
         """The checkpoint ``resume`` names, verified (collective: rank 0 checks the files and
         chooses, every rank gets the same answer or the same error)."""

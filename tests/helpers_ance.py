@@ -12,9 +12,12 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
+
+from retromae_ds.ance import handoff
 
 from synthetic import synthetic_texts
 
@@ -111,3 +114,19 @@ def assert_refresher_threads(log: str, threads: int) -> None:
         expected = int(default) if int(step) == 0 else threads
         assert int(count) == expected, (step, count, expected, lines)
     assert int(lines[0][1]) == 0, lines  # mine_first: the first version is the init's
+
+
+def load_current(root: Path, retries: int = 5) -> handoff.Negatives | None:
+    """A reader of the hand-off: the version ``CURRENT`` names (None before the first publication). Retries when the
+    named version disappears between the two reads (pruned by ``keep_last``)."""
+    for attempt in range(retries):
+        pointer = handoff.read_pointer(root)
+        if pointer is None:
+            return None
+        try:
+            return handoff.load_version(root, pointer["version"], sha256=pointer["sha256"])
+        except FileNotFoundError:
+            if attempt == retries - 1:
+                raise
+            time.sleep(0.05)
+    return None

@@ -30,7 +30,7 @@ from retromae_ds.ance.mining import (
 )
 from retromae_ds.layout import RunLayout
 
-from helpers_ance import ENV, write_synthetic_beir, write_tiny_encoder
+from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
 
 
 # --------------------------------------------------------------------------- helpers
@@ -187,7 +187,7 @@ def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
         RefreshConfig(num_negatives=4, progress=False), ts, tmp_path / "run" / "negatives"
     )
     assert manifest["version"] == 0 and manifest["step"] == 0 and manifest["source"] == "bm25"
-    neg = handoff.load_current(tmp_path / "run" / "negatives")
+    neg = load_current(tmp_path / "run" / "negatives")
     assert neg.num_queries == ts.num_queries
     for q in range(ts.num_queries):
         assert len(neg.of(q)) == 4
@@ -226,7 +226,7 @@ def _reader(root: str, ready, stop, out) -> None:
     seen, checked = [], 0
     ready.set()
     while not stop.is_set():
-        neg = handoff.load_current(Path(root))
+        neg = load_current(Path(root))
         if neg is None:
             continue
         expected = _content(neg.version, 50)
@@ -271,10 +271,10 @@ def test_killed_writer_leaves_the_previous_version_and_numbering_continues(tmp_p
     # killed mid-write (hidden temporary file)
     (root / "v1.arrow").write_bytes(b"half a file")
     (root / ".v1.arrow.abc.tmp").write_bytes(b"partial")
-    assert handoff.load_current(root).version == 0
+    assert load_current(root).version == 0
     assert handoff.next_version(root) == 1
     handoff.publish(root, 1, _content(1, 5), step=7)
-    neg = handoff.load_current(root)
+    neg = load_current(root)
     assert (neg.version, neg.step, neg.of(2).tolist()) == (1, 7, _content(1, 5)[2].tolist())
     assert not list(root.glob(".*tmp"))
     with pytest.raises(FileExistsError):
@@ -289,7 +289,7 @@ def test_reader_rejects_a_corrupted_version(tmp_path):
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="sha256"):
-        handoff.load_current(root)
+        load_current(root)
 
 
 # --------------------------------------------------------------------------- gather
@@ -453,7 +453,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    neg = handoff.load_current(root)
+    neg = load_current(root)
     assert (neg.version, neg.step, neg.manifest["source"]) == (1, 5, "model")
     assert neg.manifest["data"] == ts.fingerprint()
     for q in range(ts.num_queries):
@@ -474,7 +474,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
-    neg = handoff.load_current(root)
+    neg = load_current(root)
     assert (neg.version, neg.step) == (2, 9)
     assert handoff.published_versions(root) == [0, 1, 2]
 
@@ -502,7 +502,7 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", cmd[2]]
     double = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
     assert double.returncode == 0, double.stderr[-3000:]
-    a, b = handoff.load_current(one / "negatives"), handoff.load_current(two / "negatives")
+    a, b = load_current(one / "negatives"), load_current(two / "negatives")
     assert (a.version, b.version, b.step) == (1, 1, 4)
     assert (a.manifest["ranks"], b.manifest["ranks"]) == (1, 2)
     # the positives' scores come from both ranks' parts: the filter drops the same candidates
@@ -554,7 +554,7 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
         checkpoint = fake_checkpoint(run, 0, encoder)
         calls.clear()
         manifest = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
-        return manifest, handoff.load_current(run / "negatives"), list(calls)
+        return manifest, load_current(run / "negatives"), list(calls)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(refresher, "encode_rows", counting)

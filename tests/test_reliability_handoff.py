@@ -16,7 +16,7 @@ from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.layout import RunLayout
 
-from helpers_ance import ENV, write_synthetic_beir, write_tiny_encoder
+from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
 
 BAD_POINTERS = {
     "garbage": "{not json",
@@ -178,7 +178,7 @@ def test_refresher_recovers_from_a_corrupted_pointer(bm25_run, tmp_path, tokeniz
     assert str(root / handoff.POINTER) in done.stderr
     pointer = handoff.read_pointer(root)
     assert pointer["version"] == 1
-    neg = handoff.load_current(root)
+    neg = load_current(root)
     assert (neg.version, neg.step, neg.manifest["source"]) == (1, 5, "model")
     assert neg.manifest["data"] == ts.fingerprint()
     assert handoff.published_versions(root) == [0, 1]

@@ -285,19 +285,3 @@ def load_version(root: Path, version: int, *, sha256: str | None = None) -> Nega
         values = values[offsets[0] : offsets[-1]]
         offsets = offsets - offsets[0]
     return Negatives(version, int(manifest["step"]), manifest, offsets, values)
-
-
-def load_current(root: Path, retries: int = 5) -> Negatives | None:
-    """The version ``CURRENT`` names (None before the first publication). Retries when the
-    named version disappears between the two reads (pruned by ``keep_last``)."""
-    for attempt in range(retries):
-        pointer = read_pointer(root)
-        if pointer is None:
-            return None
-        try:
-            return load_version(root, pointer["version"], sha256=pointer["sha256"])
-        except FileNotFoundError:
-            if attempt == retries - 1:
-                raise
-            time.sleep(0.05)
-    return None

@@ -413,9 +413,5 @@ def _read_rows(unit: Unit, opts: SourceOptions, docs: UnitDocuments, reject) -> 
         docs.texts.append(body)
 
 
-def describe_plan(units: list[Unit]) -> list[dict[str, Any]]:
-    return [u.to_json() for u in units]
-
-
 def dump_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
