@@ -34,11 +34,10 @@ DOC = REPO / "docs" / "architecture.md"
 OWNERS = {
     "deepspeed": {"engine"},
     "faiss": {"index"},
-    "jieba": {"data.segment", "eval.lexical"},
+    "jieba": {"data.segment"},
     "bm25s": {"eval.lexical"},
 }
-"""Third-party packages only their owner imports (``eval.lexical`` probes for jieba to say
-when a Chinese analyzer is missing; it is named so here, and in docs/architecture.md)."""
+"""Third-party packages only their owner imports."""
 
 NO_DISTRIBUTED = ("modeling", "modeling.*", "attention", "attention.*")
 
