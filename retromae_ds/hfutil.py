@@ -11,9 +11,9 @@ Wrap loads in ``quiet_transformers()``::
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModel.from_pretrained(folder, local_files_only=True)
 
-``load_pretrained(AutoModel, folder)`` does that for a model, offline, and still says in one
-line which weights the checkpoint lacked beyond the expected ones (a wrong folder would
-otherwise give a randomly initialised model without a word).
+``modeling.load.load_pretrained(AutoModel, folder)`` does that for a model, offline, and still
+says in one line which weights the checkpoint lacked beyond the expected ones (a wrong folder
+would otherwise give a randomly initialised model without a word).
 
 Errors still raise (transformers raises on size mismatches and conversion errors after its
 report); the messages held back are then replayed before the exception propagates, so the
@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,33 +112,6 @@ def _hide_progress_bars(hf_logging):
         hf_logging.disable_progress_bar()
         return hf_logging.enable_progress_bar
     return lambda: None
-
-
-def load_pretrained(
-    auto_class: Any, folder: str | Path, *, may_miss: tuple[str, ...] = ("pooler.",), **kwargs: Any
-) -> Any:
-    """``auto_class.from_pretrained(folder, local_files_only=True, **kwargs)`` under
-    ``quiet_transformers()``. Weights missing from the checkpoint (newly initialised) whose
-    names do not start with one of ``may_miss`` (default: the pooler, which CLS and mean
-    pooling never use) are named in one line on stderr instead of transformers' table.
-    A model on ``sdpa`` attention is switched to its broadcast padding mask
-    (``modeling.long_attention``: same outputs, no L×L mask)."""
-    with quiet_transformers():
-        model, info = auto_class.from_pretrained(
-            str(folder), local_files_only=True, output_loading_info=True, **kwargs
-        )
-    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(may_miss))
-    if missing:
-        shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
-        print(
-            f"{folder}: {len(missing)} weight(s) not in the checkpoint, newly initialised: {shown}",
-            file=sys.stderr,
-            flush=True,
-        )
-    from retromae_ds.modeling.long_attention import use_broadcast_mask
-
-    use_broadcast_mask(model)
-    return model
 
 
 TOKENIZER_FILES = (

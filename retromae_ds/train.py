@@ -148,8 +148,8 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
     steps_per_epoch = max(1, len(sampler) // (cfg.micro_batch_size * cfg.grad_accum))
     max_steps = steps_for(cfg, steps_per_epoch)
 
-    check_vocabulary(cfg.model.encoder, cfg.data.shards, manifest["tokenizer"])
-    encoder = build_encoder(cfg.model.encoder, special.vocab_size, special.pad)
+    folder = check_vocabulary(cfg.model.encoder, cfg.data.shards, manifest["tokenizer"])
+    encoder = build_encoder(cfg.model.encoder, special.vocab_size, special.pad, folder=folder)
     if usable_positions(encoder) < max_length:
         raise ValueError(
             f"{cfg.model.encoder.name}: encoder has {usable_positions(encoder)} positions < "
@@ -209,15 +209,19 @@ def _periodic_eval(
     return lambda: evaluator(model.encoder.base_model, tokenizer)
 
 
-def check_vocabulary(encoder: EncoderConfig, shards: str, shards_tokenizer: dict[str, Any]) -> None:
+def check_vocabulary(
+    encoder: EncoderConfig, shards: str, shards_tokenizer: dict[str, Any]
+) -> Path | None:
     """A local model folder must speak the shards' token ids: its tokenizer (when it ships
     one) must have the shards' tokenizer fingerprint (vocabulary and special ids), and its
-    vocabulary size must be the shards' when it ships none. Presets take the shards' own."""
+    vocabulary size must be the shards' when it ships none. Presets take the shards' own.
+    Returns the folder checked (a run's newest verified encoder: ``resolve_encoder``), None
+    for a preset."""
     from retromae_ds.checkpoint import resolve_encoder
     from retromae_ds.hfutil import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
 
     if not Path(encoder.name).is_dir():
-        return
+        return None
     folder = resolve_encoder(encoder.name)
     if any((folder / name).is_file() for name in TOKENIZER_FILES):
         from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
@@ -230,13 +234,14 @@ def check_vocabulary(encoder: EncoderConfig, shards: str, shards_tokenizer: dict
                 f"model.encoder.name {folder} and data.shards {shards} use different tokenizers "
                 f"({'; '.join(problems)}); preprocess with --tokenizer {folder}"
             )
-        return
+        return folder
     model_vocab = config_vocab_size(folder)
     if model_vocab is not None and model_vocab != shards_tokenizer["vocab_size"]:
         raise ValueError(
             f"model.encoder.name {folder}: vocabulary of {model_vocab} tokens and no tokenizer "
             f"to check, but data.shards {shards} were made with {shards_tokenizer['vocab_size']}"
         )
+    return folder
 
 
 def _epochs(

@@ -2,7 +2,9 @@
 """Fixed-seed training runs whose logged losses must not change under a refactor.
 
 Runs pre-training (RetroMAE, SEED-Encoder, MLM; one process and two torchrun ranks with a
-stop + exact resume) and fine-tuning (one process and two ranks with a stop + resume) with the
+stop + exact resume) and fine-tuning (one process; one process training on negatives its local
+refresher mined from the step-0 encoder, ``mine_first`` with one version, so the swap point is
+fixed; two ranks with a stop + resume) with the
 code of a given checkout, on data built once (the built-in corpus), and writes every logged
 row plus the wall time of each run. ``--compare A B`` says, run by run, whether the losses
 are bit-identical and the ratio of the trainer's tokens/s.
@@ -86,6 +88,10 @@ def run(code: Path, out: Path, data_root: Path) -> None:
             ("retromae_ds.train", 2, ["--max_steps", "8"]),
         ],
         "finetune_1rank": [("retromae_ds.finetune", 1, ["--max_steps", "12", "--checkpoint.every_steps", "6"])],
+        "finetune_refresh_1rank": [("retromae_ds.finetune", 1, [
+            "--max_steps", "8", "--refresher", "local", "--negatives.mine_first", "true",
+            "--refresh.max_versions", "1", "--refresh.index", "torch", "--refresh.top_k", "20",
+        ])],
         "finetune_2ranks_resume": [
             ("retromae_ds.finetune", 2, ["--max_steps", "8", "--stop_at_step", "4"]),
             ("retromae_ds.finetune", 2, ["--max_steps", "8"]),

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from retromae_ds.hfutil import load_pretrained, quiet_transformers
+from retromae_ds.hfutil import quiet_transformers
+from retromae_ds.modeling.load import load_pretrained
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,6 @@ OWNERS = {
 NO_DISTRIBUTED = ("modeling", "modeling.*", "attention", "attention.*")
 
 KNOWN = {
-    "upward modeling.encoder -> checkpoint",
-    "upward hfutil -> modeling.long_attention",
     "cycle ance.mining <-> ance.refresh_config",
     "outside cli -> recipes",
 }

@@ -15,8 +15,8 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
-from retromae_ds.hfutil import load_pretrained
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder, set_attention_dropout
+from retromae_ds.modeling.load import load_pretrained
 from retromae_ds.modeling.long_attention import NAME, broadcast_padding_mask, use_broadcast_mask
 
 from helpers_model import SMALL_CONFIG, LargestTensor

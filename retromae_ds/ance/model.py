@@ -26,7 +26,7 @@ def load_body(folder: str | Path) -> nn.Module:
     """The encoder body (no MLM head, no pooler) of a local Hugging Face folder."""
     from transformers import AutoModel
 
-    from retromae_ds.hfutil import load_pretrained
+    from retromae_ds.modeling.load import load_pretrained
 
     model = load_pretrained(AutoModel, folder)
     if getattr(model, "pooler", None) is not None:

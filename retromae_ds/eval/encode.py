@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retromae_ds.hfutil import load_pretrained, load_tokenizer_checked
+from retromae_ds.hfutil import load_tokenizer_checked
+from retromae_ds.modeling.load import load_pretrained
 
 Encoder = Callable[[list[str]], np.ndarray]
 Pooling = Literal["cls", "mean"]

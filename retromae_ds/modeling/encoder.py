@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from retromae_ds.hfutil import load_pretrained
+from retromae_ds.modeling.load import load_pretrained
 from retromae_ds.modeling.long_attention import use_broadcast_mask
 from retromae_ds.modeling.positions import extend_positions
 
@@ -62,8 +62,12 @@ class EncoderConfig:
             )
 
 
-def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module:
-    """A masked-LM model: from the preset (random init, fixed by torch's seed) or the folder."""
+def build_encoder(
+    cfg: EncoderConfig, vocab_size: int, pad_id: int, *, folder: str | Path | None = None
+) -> nn.Module:
+    """A masked-LM model: from the preset (random init, fixed by torch's seed) or a folder,
+    ``folder`` when given (the caller's resolved ``cfg.name``, e.g. a run's verified newest
+    encoder: ``checkpoint.resolve_encoder``), else ``cfg.name`` itself."""
     from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
 
     if cfg.name in PRESETS:
@@ -80,11 +84,11 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
             pad_token_id=pad_id,
         )
         model = BertForMaskedLM(config)
+        use_broadcast_mask(model)
     else:
-        from retromae_ds.checkpoint import resolve_encoder
-
-        # a missing MLM head is named (an exported encoder has none: start from its run)
-        model = load_pretrained(AutoModelForMaskedLM, resolve_encoder(cfg.name))
+        # a missing MLM head is named (an exported encoder has none: start from its run);
+        # loading installs the broadcast padding mask
+        model = load_pretrained(AutoModelForMaskedLM, folder or cfg.name)
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"{cfg.name}: model vocabulary {model.config.vocab_size} < tokenizer vocabulary {vocab_size}; "
@@ -94,7 +98,6 @@ def build_encoder(cfg: EncoderConfig, vocab_size: int, pad_id: int) -> nn.Module
             extend_positions(model, cfg.max_positions)
     if cfg.attention_dropout is not None:
         set_attention_dropout(model, cfg.attention_dropout)
-    use_broadcast_mask(model)
     if cfg.gradient_checkpointing:
         # transformers >= 5 renamed it; the old name still works there but warns
         enable = (
