@@ -46,7 +46,7 @@ from retromae_ds import engine as eng
 from retromae_ds import sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.ance.mining import publish_bm25
+from retromae_ds.ance.bm25 import publish_bm25
 from retromae_ds.ance.model import DualEncoder, load_body, save_encoders
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.checkpoint import resolve_encoder

@@ -175,7 +175,7 @@ def test_top_strategy_skips_the_first_non_positives():
 
 
 def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
-    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
@@ -194,7 +194,7 @@ def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
         assert not set(neg.of(q).tolist()) & set(ts.positives[q].tolist())
     # BM25 ranks a positive first for most queries (their text comes from it): the exclusion
     # is exercised, not vacuous
-    from retromae_ds.ance.mining import bm25_rankings
+    from retromae_ds.ance.bm25 import bm25_rankings
     from retromae_ds.eval.beir import load_corpus, load_queries
 
     ids, texts = load_corpus(beir / "corpus.jsonl")
@@ -413,7 +413,7 @@ def _refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
-    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     run = tmp_path / "run"
@@ -483,7 +483,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
 def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path, tokenizer_dir):
     import shutil
 
-    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     one, two = tmp_path / "one", tmp_path / "two"
@@ -522,7 +522,7 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
     instead of encoding and mines the same negatives; another encoder misses; a damaged
     entry is reported and recomputed, never used."""
     from retromae_ds.ance import refresher
-    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")

@@ -154,7 +154,7 @@ def bm25_run(tmp_path_factory, tokenizer_dir, assets) -> Path:
     """A run folder with prepared data and the BM25 version 0 (copied per test)."""
     from test_ance import prepared_set
 
-    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     run = tmp_path_factory.mktemp("guard_bm25") / "run"

@@ -42,7 +42,6 @@ OWNERS = {
 NO_DISTRIBUTED = ("modeling", "modeling.*", "attention", "attention.*")
 
 KNOWN = {
-    "cycle ance.mining <-> ance.refresh_config",
     "outside cli -> recipes",
 }
 """Violations present when this test was written (issue 29 removes them one by one)."""

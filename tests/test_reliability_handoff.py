@@ -36,7 +36,7 @@ def bm25_run(tmp_path_factory, tokenizer_dir) -> tuple[Path, ance_data.TrainingS
     """A run folder with prepared data and the BM25 version 0 (copied per test)."""
     from test_ance import prepared_set  # the same prepared folder as the refresher tests
 
-    from retromae_ds.ance.mining import publish_bm25
+    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     base = tmp_path_factory.mktemp("bm25_run")

@@ -1,0 +1,77 @@
+"""The first negatives of a fine-tuning run: BM25's top-K (``eval.lexical``, language-aware),
+mined with the run's settings (``ance.mining``) and published as a version of its negatives
+folder (``ance.handoff``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from retromae_ds.ance import data as ance_data
+from retromae_ds.ance import handoff
+from retromae_ds.ance.data import TrainingSet
+from retromae_ds.ance.mining import mine
+from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
+
+
+def bm25_rankings(
+    passages: Sequence[str], queries: Sequence[str], k: int, *, progress: bool = True
+) -> np.ndarray:
+    """Top-``k`` passage indices per query by BM25 (``eval.lexical.bm25_search``: English
+    stop words and stemmer, or jieba words / Han characters for Chinese), ``[Q, k]``, ``-1``
+    where the corpus is smaller than k."""
+    from retromae_ds.eval.lexical import bm25_search
+
+    ids, _, _ = bm25_search(passages, queries, k, progress=progress)
+    if ids.shape[1] < k:
+        ids = np.hstack([ids, np.full((len(ids), k - ids.shape[1]), -1, dtype=np.int64)])
+    return ids
+
+
+def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[str, Any]:
+    """Version 0 (or the next free one) under the negatives folder ``root``: BM25 top-K,
+    positives removed, n sampled with ``cfg``'s mining settings; returns its manifest."""
+    from retromae_ds.eval.beir import load_corpus, load_queries
+
+    settings = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
+    t0 = time.perf_counter()
+    doc_ids, texts = load_corpus(Path(settings["beir"]) / "corpus.jsonl")
+    text_of = dict(zip(doc_ids, texts, strict=True))
+    queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
+    from retromae_ds.eval.lexical import choose_analyzer
+
+    passages = [text_of[d] for d in ts.passage_ids]
+    ranked = bm25_rankings(
+        passages, [queries[q] for q in ts.query_ids], cfg.top_k, progress=cfg.progress
+    )
+    negatives = mine(
+        ranked,
+        ts.positives,
+        cfg.num_negatives,
+        strategy=cfg.strategy,
+        skip_top=cfg.skip_top,
+        seed=cfg.seed,
+        num_passages=ts.num_passages,
+    )
+    root = Path(root)
+    version = handoff.next_version(root)
+    handoff.publish(
+        root,
+        version,
+        negatives,
+        step=0,
+        meta={
+            "source": "bm25",
+            "analyzer": choose_analyzer(passages),
+            "data": ts.fingerprint(),
+            "settings": mining_settings(cfg),
+            "timings": {"bm25_s": round(time.perf_counter() - t0, 3)},
+        },
+        keep_last=cfg.keep_last,
+    )
+    return json.loads(handoff.manifest_file(root, version).read_text())
