@@ -273,6 +273,46 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+RESUME_KEY = "resume"
+
+
+def resumable(default: Any = _MISSING, *, default_factory: Any = _MISSING) -> Any:
+    """A config field (or section) a resumed run may change: how long, how often, where to
+    log and save, how to wait. ``training.loop.check_resume_config`` lets it differ from the
+    run's saved config; every other field changes what the resumed steps compute."""
+    metadata = {RESUME_KEY: "may_change"}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def resume_may_change(cls: type, prefix: str = "") -> set[str]:
+    """Dotted names of the fields and sections of ``cls`` marked :func:`resumable`."""
+    hints = typing.get_type_hints(cls)
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        if f.metadata.get(RESUME_KEY) == "may_change":
+            out.add(prefix + f.name)
+        elif _is_section(hints[f.name]):
+            out |= resume_may_change(hints[f.name], f"{prefix}{f.name}.")
+    return out
+
+
+def flat_defaults(cls: type, instance: Any = None, prefix: str = "") -> dict[str, Any]:
+    """``{dotted field: default}`` of ``cls`` (a section's defaults from its default instance;
+    required fields left out)."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        value = _default_of(f, instance)
+        if _is_section(hints[f.name]):
+            inner = None if value is _MISSING else value
+            out.update(flat_defaults(hints[f.name], inner, f"{prefix}{f.name}."))
+        elif value is not _MISSING:
+            out[prefix + f.name] = json.loads(json.dumps(value, default=str))
+    return out
+
+
 def _wrap(text: str, indent: str, width: int) -> list[str]:
     """Fill each paragraph of ``text`` to ``width`` columns, keeping blank lines between."""
     lines: list[str] = []

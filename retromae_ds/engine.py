@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from retromae_ds.config import resumable
+
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
@@ -36,7 +38,7 @@ class DeepSpeedSettings:
         default_factory=lambda: ["ds_configs/zero2.json", "ds_configs/fp32.json"]
     )
     """ds_config files merged in order (ZeRO settings, then precision)."""
-    timeout_s: int = 600
+    timeout_s: int = resumable(600)
     """Collective timeout: a rank that died makes the others fail after this, not hang."""
 
 

@@ -50,7 +50,7 @@ from retromae_ds.ance.bm25 import publish_bm25
 from retromae_ds.ance.model import DualEncoder, load_body, save_encoders
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.checkpoint import resolve_encoder
-from retromae_ds.config import to_dict
+from retromae_ds.config import resumable, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.errors import RunFailed
 from retromae_ds.fsutil import atomic_write_text
@@ -73,7 +73,7 @@ class FinetuneDataConfig:
     """Passage tokens including special tokens (longer documents are truncated)."""
     prepared: str = ""
     """Tokenized data folder (default RUN/data; tokenized once, reused on resume)."""
-    workers: int = 1
+    workers: int = resumable(1)
     """Tokenization worker processes."""
 
 
@@ -119,14 +119,14 @@ class NegativesConfig:
     mine_first: bool = False
     """ANCE's start: save a step-0 checkpoint and train only once the refresher has published
     negatives mined with the initial encoder (BM25 negatives are then never trained on)."""
-    mine_first_timeout_s: float = 3600.0
+    mine_first_timeout_s: float = resumable(3600.0)
     """How long to wait for those first mined negatives before failing."""
-    stale_after: int = 0
+    stale_after: int = resumable(0)
     """Report the negatives as stale once no newer version has come for this many looks
     (``refresh_every`` steps each) since the version in use was taken or this process
     started: a refresher that died or hangs elsewhere (0: off). A dead local refresher is
     reported whatever this is."""
-    on_stale: str = "warn"
+    on_stale: str = resumable("warn")
     """warn: one warning, training goes on with the version in use; stop: save a checkpoint of
     that step, then fail in one line (``--resume auto`` goes on from it)."""
 
@@ -139,13 +139,13 @@ class NegativesConfig:
 
 @dataclass(kw_only=True)
 class FinetuneConfig(RunConfig):
-    run_dir: str = "runs/finetune"
+    run_dir: str = resumable("runs/finetune")
     """Where checkpoints, metrics, negatives and resolved configs go."""
     micro_batch_size: int = 16
     """Queries per rank per forward pass (each with 1 + n_hard passages)."""
-    refresher: str = "none"
+    refresher: str = resumable("none")
     """none (a refresher runs elsewhere, or not at all) or local (start it as a subprocess)."""
-    refresher_device: str = "auto"
+    refresher_device: str = resumable("auto")
     """Device of a local refresher (cpu keeps a single GPU for the trainer)."""
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     model: DualModelConfig = field(default_factory=DualModelConfig)
@@ -153,7 +153,7 @@ class FinetuneConfig(RunConfig):
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     """Mining settings (also used for the BM25 version) and a local refresher's settings; its
     run_dir is ignored (the refresher serves this run)."""
-    epochs: float = 2.5
+    epochs: float = resumable(2.5)
     """Passes over the training queries when max_steps is 0 (the SciFact recipe's 100 steps
     of 16 queries are 2.4 passes over its 659)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_ratio=0.1))

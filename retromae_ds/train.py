@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from retromae_ds import engine as eng
+from retromae_ds.config import resumable
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
@@ -43,7 +44,7 @@ class DataConfig:
     """Folder written by ``retromae-ds preprocess``."""
     max_length: int = 0
     """Model sequence length; 0 = the shards' max length."""
-    num_workers: int = 0
+    num_workers: int = resumable(0)
     """DataLoader worker processes (results do not depend on it)."""
     length_grouping: int = 0
     """Order each group of this many steps' samples by length (``LengthGroupedSampler``), so
@@ -62,12 +63,12 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig(RunConfig):
-    run_dir: str = "runs/pretrain"
+    run_dir: str = resumable("runs/pretrain")
     """Where checkpoints, metrics and resolved configs go."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: EvalConfig = resumable(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         if not self.data.shards:

@@ -231,3 +231,54 @@ def test_lr_schedule_warms_up_then_decays(schedule):
         assert set(tail) == {1.0}
     else:
         assert tail == sorted(tail, reverse=True) and f(100) == pytest.approx(0.0, abs=1e-12)
+
+
+# --- which fields a resumed run may change (field metadata, config.resumable) ------------------
+
+RESUMABLE_BEFORE = (
+    "run_dir", "max_steps", "epochs", "stop_at_step", "log_every", "progress", "stop_signals",
+    "stop_on_nonfinite", "checkpoint", "deepspeed.timeout_s", "data.num_workers", "data.workers",
+    "refresher", "refresher_device", "refresh.device", "refresh.poll_s", "refresh.progress",
+    "refresh.idle_timeout_s", "refresh.max_versions", "refresh.run_dir",
+    "negatives.mine_first_timeout_s", "negatives.stale_after", "negatives.on_stale",
+    "refresh.parent_pid", "eval",
+)  # fmt: skip
+"""The list the shared training loop held before each field declared it (issue 29)."""
+
+
+def test_resumable_fields_are_the_list_the_loop_held():
+    from retromae_ds.config import flat_defaults, resume_may_change
+    from retromae_ds.finetune import FinetuneConfig
+    from retromae_ds.train import TrainConfig
+
+    for cls in (TrainConfig, FinetuneConfig):
+        keys = set(flat_defaults(cls)) | {"data.shards"}
+        present = {
+            name for name in RESUMABLE_BEFORE
+            if name in keys or any(k.startswith(name + ".") for k in keys)
+        }  # fmt: skip
+        assert resume_may_change(cls) == present, cls.__name__
+
+
+def test_resume_accepts_a_field_added_since_at_its_default(tmp_path):
+    """A run saved before a field existed resumes while the field holds its default (the old
+    run's meaning), and refuses once it is set to anything else."""
+    from retromae_ds.config import to_dict
+    from retromae_ds.train import DataConfig, TrainConfig
+    from retromae_ds.training.loop import check_resume_config
+
+    cfg = TrainConfig(data=DataConfig(shards="s"), max_steps=4)
+    saved = to_dict(cfg)
+    del saved["optim"]["decoder_lr_scale"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(saved))
+    check_resume_config(cfg, path)
+    cfg.optim.decoder_lr_scale = 2.0
+    with pytest.raises(ValueError, match=r"optim.decoder_lr_scale \(None -> 2.0\)"):
+        check_resume_config(cfg, path)
+    cfg.optim.decoder_lr_scale = 1.0
+    cfg.max_steps = 8  # resumable
+    cfg.optim.lr = 3e-4
+    with pytest.raises(ValueError, match=r"optim.lr") as err:
+        check_resume_config(cfg, path)
+    assert "max_steps" not in str(err.value)

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from retromae_ds.ance.mining import STRATEGIES
+from retromae_ds.config import resumable
 
 
 @dataclass(kw_only=True)
 class RefreshConfig:
-    run_dir: str = ""
+    run_dir: str = resumable("")
     """The trainer's run folder (checkpoints/ is read, negatives/ is written); the trainer
     writes its own into the refresher's config file (refresh_config.json)."""
     data_dir: str = ""
@@ -35,7 +36,7 @@ class RefreshConfig:
     """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
     batch_size: int = 128
     """Texts per forward pass."""
-    device: str = "auto"
+    device: str = resumable("auto")
     """auto (CUDA when available), cpu, cuda:1, ..."""
     bf16: bool = True
     """Encode under bf16 autocast on CUDA (ignored on CPU unless ``bf16_cpu``)."""
@@ -52,23 +53,23 @@ class RefreshConfig:
     stored under the sha256 of the encoder's files, the data, the rows, pooling and precision,
     and loaded instead of encoded when a run meets the same again, e.g. the step-0 checkpoint
     of every seed from one init. Empty: off. Never evicted; safe to delete."""
-    poll_s: float = 5.0
+    poll_s: float = resumable(5.0)
     """Seconds between looks for a new checkpoint."""
     min_new_steps: int = 1
     """Refresh only from a checkpoint at least this many steps after the last version's."""
-    max_versions: int = 0
+    max_versions: int = resumable(0)
     """Stop after publishing this many versions (0: no limit)."""
-    idle_timeout_s: float = 0.0
+    idle_timeout_s: float = resumable(0.0)
     """Stop after this long without a new checkpoint (0: wait while the trainer runs)."""
     keep_last: int = 0
     """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
     seed: int = 0
     """Seeds the sampling of negatives (version N uses seed + N)."""
-    progress: bool = True
+    progress: bool = resumable(True)
     """Show progress bars while encoding and searching."""
     timeout_s: int = 1800
     """Collective timeout between the refresher's own ranks."""
-    parent_pid: int = 0
+    parent_pid: int = resumable(0)
     """Stop when this process (the trainer, for its ``--refresher local`` subprocess) is gone
     (0: no such process). The trainer passes it on the command line, never in
     refresh_config.json, which other refreshers of the run read too."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from retromae_ds.config import resumable
 from retromae_ds.engine import DeepSpeedSettings
 from retromae_ds.training.signals import signal_number
 
@@ -64,7 +65,7 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_dir: str = "runs/run"
+    run_dir: str = resumable("runs/run")
     """Where checkpoints, metrics and resolved configs go."""
     seed: int = 0
     """Seeds the initialisation, the data order, masking and dropout."""
@@ -72,25 +73,25 @@ class RunConfig:
     """Samples per rank per forward pass."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    max_steps: int = 0
+    max_steps: int = resumable(0)
     """Optimizer steps to train (0: derive from epochs)."""
-    epochs: float = 0.0
+    epochs: float = resumable(0.0)
     """Passes over the data when max_steps is 0."""
-    stop_at_step: int = 0
+    stop_at_step: int = resumable(0)
     """Stop after this step with a checkpoint although max_steps is larger (time-boxed jobs;
     the schedule still follows max_steps, so a resumed run continues exactly)."""
-    log_every: int = 10
+    log_every: int = resumable(10)
     """Write a metrics row (means since the last row) every N steps."""
-    progress: bool = True
+    progress: bool = resumable(True)
     """Show a progress bar on rank 0."""
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    stop_signals: list[str] = resumable(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     """Signals that stop the run cleanly: every rank finishes the current optimizer step, a
     complete checkpoint is written, and the process exits with EXIT_REQUEUE (85). [] disables."""
-    stop_on_nonfinite: bool = True
+    stop_on_nonfinite: bool = resumable(True)
     """Stop the run with an error, saving nothing, when a loss is NaN or infinite on any rank
     (the last checkpoint stays the newest); false trains on."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = resumable(default_factory=CheckpointConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
 
     def __post_init__(self) -> None:

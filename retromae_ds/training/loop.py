@@ -31,7 +31,7 @@ import torch
 from retromae_ds import engine as eng
 from retromae_ds import faults
 from retromae_ds.checkpoint import CheckpointManager, Restored, latest_complete, read_marker
-from retromae_ds.config import to_dict
+from retromae_ds.config import flat_defaults, resume_may_change, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.errors import (
     USER_ERRORS,
@@ -47,17 +47,6 @@ from retromae_ds.training.config import RunConfig
 from retromae_ds.training.optim import build_optimizer, build_scheduler
 from retromae_ds.training.signals import EXIT_REQUEUE, StopRequested, StopSignals
 
-RESUME_MAY_CHANGE = (
-    "run_dir", "max_steps", "epochs", "stop_at_step", "log_every", "progress", "stop_signals",
-    "stop_on_nonfinite", "checkpoint", "deepspeed.timeout_s", "data.num_workers", "data.workers",
-    "refresher", "refresher_device", "refresh.device", "refresh.poll_s", "refresh.progress",
-    "refresh.idle_timeout_s", "refresh.max_versions", "refresh.run_dir",
-    "negatives.mine_first_timeout_s", "negatives.stale_after", "negatives.on_stale",
-    "refresh.parent_pid", "eval",
-)  # fmt: skip
-"""Config fields (or sections) a resumed run may change: how long, how often, where to log
-and save. Every other field changes what the resumed steps compute."""
-
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}
@@ -72,15 +61,19 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def check_resume_config(cfg: RunConfig, saved: Path) -> None:
     """Refuse to resume with settings that change the meaning of the run: compare ``cfg``
     with the config saved by the run that wrote the checkpoint (``saved``), naming the first
-    fields that differ. Fields in RESUME_MAY_CHANGE may differ."""
+    fields that differ. Fields marked ``config.resumable`` may differ, and so may a field the
+    saved config predates while it holds its default (it then means what the old run did)."""
     if not saved.is_file():
         return  # a checkpoint from elsewhere: nothing to compare with
     old = _flatten(json.loads(saved.read_text()))
     new = _flatten(to_dict(cfg))
-    allowed = tuple(RESUME_MAY_CHANGE)
+    allowed = resume_may_change(type(cfg))
+    defaults = flat_defaults(type(cfg))
 
     def may_change(key: str) -> bool:
-        return any(key == a or key.startswith(a + ".") for a in allowed)
+        if any(key == a or key.startswith(a + ".") for a in allowed):
+            return True
+        return key not in old and key in defaults and new.get(key) == defaults[key]
 
     changed = [
         f"{key} ({old.get(key)!r} -> {new.get(key)!r})"
