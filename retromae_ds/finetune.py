@@ -219,6 +219,22 @@ class StaleNegatives(ValueError):
     """``negatives.on_stale stop``: the refresher died or published nothing for too long."""
 
 
+@dataclass
+class NextVersion:
+    """Per-rank checkpoint state: the negatives version the *next* step uses (a swap happens
+    before the step's checkpoint), saved as ``negatives_version``."""
+
+    negatives: NegativesInUse | None = None
+    restored: int | None = None
+
+    def state_dict(self) -> int:
+        assert self.negatives is not None, "saved before the negatives were chosen"
+        return self.negatives.current.version
+
+    def load_state_dict(self, version: int) -> None:
+        self.restored = int(version)
+
+
 class NegativesInUse:
     """The negatives version every rank trains on, swapped at step boundaries (all ranks or
     none) when the refresher has published a newer one. An unreadable pointer, or a newer
@@ -553,10 +569,11 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     micro_per_epoch = len(sampler) // batch_size  # the partial last batch of an epoch is skipped
     max_steps = steps_for(cfg, max(1, micro_per_epoch // cfg.grad_accum))
     trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
-    restored = trainer.resume()
+    next_version = NextVersion()
+    restored = trainer.resume({"negatives_version": next_version})
     start, start_problem = None, None
     if restored is not None:
-        version = int(restored.rank_state["negatives_version"])
+        version = next_version.restored
     else:
         # rank 0 reads the pointer (falling back past an unreadable one); all ranks agree
         if dist.rank == 0:
@@ -577,6 +594,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         start_step=trainer.step,
         quiet=cfg.negatives.on_stale == "stop",
     )
+    next_version.negatives = negatives
     build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed)
     trainer.start_log(
         f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
@@ -607,8 +625,6 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             "queries": batch_size,
         },
         consumed=lambda batch: batch_size,
-        # the version the *next* step uses (a swap happens before the step's checkpoint)
-        rank_state=lambda: {"negatives_version": negatives.current.version},
         marker=lambda: {
             "objective": "contrastive",
             "negatives_version": negatives.current.version,

@@ -63,11 +63,18 @@ def main(argv: list[str]) -> None:
             f.write(json.dumps(row) + "\n")
 
     state = {"boundaries": 0}
+
+    class Boundaries:  # per-rank task state through the trainer's one save/restore pair
+        def state_dict(self) -> int:
+            return state["boundaries"]
+
+        def load_state_dict(self, value: int) -> None:
+            state["boundaries"] = value
+
     with StopSignals([]) as stop:
         trainer = Trainer(cfg, dist, Toy(), sampler, max_steps=cfg.max_steps, stop=stop)
-        restored = trainer.resume()
+        restored = trainer.resume({"boundaries": Boundaries()})
         if restored is not None:
-            state["boundaries"] = restored.rank_state["boundaries"]
             event(kind="resumed", step=restored.step, boundaries=state["boundaries"])
         trainer.start_log()
 
@@ -95,7 +102,6 @@ def main(argv: list[str]) -> None:
             metrics=("loss", "close"),
             counts=lambda batch: {"samples": int(batch["n"])},
             consumed=lambda batch: int(batch["n"]),
-            rank_state=lambda: dict(state),
             marker=lambda: {"objective": "toy"},
             log_fields=log_fields,
             after_step=after_step,

@@ -21,10 +21,10 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -105,6 +105,18 @@ def _nothing() -> dict[str, Any]:
     return {}
 
 
+class Stateful(Protocol):
+    """A piece of per-rank task state a checkpoint holds (``Trainer.resume``'s ``state``)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+TRAINER_STATE = ("sampler", "seen", "rng")
+"""Per-rank state the trainer and the checkpoint manager save themselves."""
+
+
 @dataclass
 class Hooks:
     """What a task adds to the shared loop (every callable runs on every rank unless said)."""
@@ -118,8 +130,6 @@ class Hooks:
     """Per micro-batch counts, logged as ``{name}_per_s`` (e.g. tokens)."""
     consumed: Callable[[dict[str, torch.Tensor]], int] = lambda batch: 0
     """Samples of the sampler a micro-batch used (the sampler advances by it)."""
-    rank_state: Callable[[], dict[str, Any]] = _nothing
-    """Task state each rank saves beside its sampler and RNG."""
     marker: Callable[[], dict[str, Any]] = _nothing
     """Task fields of a checkpoint's completion record."""
     log_fields: Callable[[], dict[str, Any]] = _nothing
@@ -172,18 +182,30 @@ class Trainer:
         """This rank's running totals of the ``counts`` hook (tokens seen), checkpointed."""
         self.logger: MetricsLogger | None = None
         self.hooks: Hooks | None = None
+        self.state: dict[str, Stateful] = {}
+        """The task's per-rank state (``resume``), saved at every checkpoint."""
 
     # -- set-up -------------------------------------------------------------------------
-    def resume(self) -> Restored | None:
-        """Restore engine, RNG and sampler from ``checkpoint.resume``; the caller restores
-        its own state from ``restored.rank_state``."""
+    def resume(self, state: Mapping[str, Stateful] | None = None) -> Restored | None:
+        """Register the task's per-rank ``state`` (saved under its names at every checkpoint
+        beside the sampler, the token totals and the RNG), then restore all of them, the
+        engine included, from ``checkpoint.resume``; None when there is nothing to resume."""
+        self.state = dict(state or {})
+        clash = sorted(set(self.state) & set(TRAINER_STATE))
+        if clash:
+            raise ValueError(f"task state names {clash} are the trainer's own")
         checkpoint = self.checkpoints.choose(self.cfg.checkpoint.resume)
         if checkpoint is None:
             return None
         check_resume_config(self.cfg, RunLayout(checkpoint.parent.parent).config)
         restored = self.checkpoints.load(self.engine, checkpoint)
+        missing = sorted(set(self.state) - set(restored.rank_state))
+        if missing:
+            raise ValueError(f"{checkpoint}: rank {self.dist.rank}'s state lacks {missing}")
         self.sampler.load_state_dict(restored.rank_state["sampler"])
         self.seen = dict(restored.rank_state.get("seen", {}))  # absent before it was saved
+        for name, part in self.state.items():
+            part.load_state_dict(restored.rank_state[name])
         self.step = restored.step
         return restored
 
@@ -223,7 +245,7 @@ class Trainer:
                 rank_state={
                     "sampler": self.sampler.state_dict(),
                     "seen": dict(self.seen),
-                    **hooks.rank_state(),
+                    **{name: part.state_dict() for name, part in self.state.items()},
                 },
                 marker=hooks.marker(),
                 write_models=hooks.write_models,
