@@ -348,7 +348,7 @@ def test_progress_false_shows_no_progress_bars(refresher_killed):
 
 
 class _Notes:
-    """The part of the Trainer that ``NegativesInUse`` talks to."""
+    """Collects what ``NegativesInUse`` reports (the trainer passes its ``note``)."""
 
     def __init__(self) -> None:
         self.notes: list[str] = []
@@ -363,15 +363,15 @@ def test_stale_negatives_are_reported_once_until_a_new_version_comes(bm25_run, t
     for the trainer to stop on."""
     import numpy as np
 
-    from retromae_ds.finetune import NegativesInUse, _load_negatives
+    from retromae_ds.ance.negatives import NegativesInUse, load_negatives
 
     run = _copy(bm25_run, tmp_path)
     root = RunLayout(run).negatives
     ts = ance_data.load(run / "data")
     dist = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    in_use = NegativesInUse(root, ts, _load_negatives(root, 0, ts), dist, stale_after_steps=10)
+    in_use = NegativesInUse(root, ts, load_negatives(root, 0, ts), dist, stale_after_steps=10)
     trainer = _Notes()
-    alarms = [in_use.maybe_swap(step, trainer) for step in (5, 10, 15, 20)]
+    alarms = [in_use.maybe_swap(step, trainer.note) for step in (5, 10, 15, 20)]
     stale = [n for n in trainer.notes if "stale" in n]
     assert len(stale) == 1 and "10 steps" in stale[0] and "v0" in stale[0], trainer.notes
     assert alarms[0] is None and alarms[2:] == [None, None]
@@ -380,9 +380,9 @@ def test_stale_negatives_are_reported_once_until_a_new_version_comes(bm25_run, t
     rng = np.random.default_rng(0)
     content = [rng.integers(0, 50, size=3).astype(np.int32) for _ in range(ts.num_queries)]
     handoff.publish(root, 1, content, step=20, meta={"data": ts.fingerprint()})
-    assert in_use.maybe_swap(25, trainer) is None and in_use.current.version == 1
-    assert in_use.maybe_swap(30, trainer) is None
-    assert in_use.maybe_swap(35, trainer) is not None  # 10 steps after the swap at 25
+    assert in_use.maybe_swap(25, trainer.note) is None and in_use.current.version == 1
+    assert in_use.maybe_swap(30, trainer.note) is None
+    assert in_use.maybe_swap(35, trainer.note) is not None  # 10 steps after the swap at 25
     assert len([n for n in trainer.notes if "stale" in n]) == 2
 
 

@@ -76,7 +76,7 @@ def test_missing_pointer_is_still_none(tmp_path):
 
 # --------------------------------------------------------------------------- the trainer
 class _Notes:
-    """The part of the Trainer that ``NegativesInUse`` talks to."""
+    """Collects what ``NegativesInUse`` reports (the trainer passes its ``note``)."""
 
     def __init__(self) -> None:
         self.notes: list[str] = []
@@ -86,33 +86,33 @@ class _Notes:
 
 
 def test_trainer_keeps_its_version_when_the_pointer_is_corrupted(bm25_run, tmp_path):
-    from retromae_ds.finetune import NegativesInUse, _load_negatives
+    from retromae_ds.ance.negatives import NegativesInUse, load_negatives
 
     run, ts = _copy_run(bm25_run, tmp_path)
     root = RunLayout(run).negatives
     dist = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    in_use = NegativesInUse(root, ts, _load_negatives(root, 0, ts), dist)
+    in_use = NegativesInUse(root, ts, load_negatives(root, 0, ts), dist)
     trainer = _Notes()
 
     (root / handoff.POINTER).write_text("{garbage")
-    in_use.maybe_swap(10, trainer)
-    in_use.maybe_swap(20, trainer)
+    in_use.maybe_swap(10, trainer.note)
+    in_use.maybe_swap(20, trainer.note)
     assert in_use.current.version == 0
     assert len(trainer.notes) == 1, trainer.notes
     assert "CURRENT" in trainer.notes[0] and "JSON" in trainer.notes[0]
 
     # a different problem is noted once more
     (root / handoff.POINTER).write_text("[]")
-    in_use.maybe_swap(30, trainer)
-    in_use.maybe_swap(40, trainer)
+    in_use.maybe_swap(30, trainer.note)
+    in_use.maybe_swap(40, trainer.note)
     assert in_use.current.version == 0 and len(trainer.notes) == 2
 
     # a pointer naming a version that does not exist: kept, noted once
     (root / handoff.POINTER).write_text(
         json.dumps({"version": 7, "step": 5, "path": "v7.arrow", "sha256": "0" * 64})
     )
-    in_use.maybe_swap(50, trainer)
-    in_use.maybe_swap(60, trainer)
+    in_use.maybe_swap(50, trainer.note)
+    in_use.maybe_swap(60, trainer.note)
     assert in_use.current.version == 0 and len(trainer.notes) == 3
     assert "v7" in trainer.notes[-1]
 
@@ -121,38 +121,38 @@ def test_trainer_keeps_its_version_when_the_pointer_is_corrupted(bm25_run, tmp_p
     (root / handoff.POINTER).write_text("{garbage")
     assert handoff.next_version(root) == 1
     handoff.publish(root, 1, _content(ts.num_queries, 1), step=50, meta={"data": ts.fingerprint()})
-    in_use.maybe_swap(70, trainer)
+    in_use.maybe_swap(70, trainer.note)
     assert (in_use.current.version, in_use.current.step) == (1, 50)
     assert "negatives v1" in trainer.notes[-1]
 
 
 def test_start_up_falls_back_past_a_bad_pointer_or_fails_naming_it(bm25_run, tmp_path):
-    from retromae_ds.finetune import _start_version
+    from retromae_ds.ance.negatives import start_version
 
     run, ts = _copy_run(bm25_run, tmp_path)
     root = RunLayout(run).negatives
-    neg, problem = _start_version(root, ts)
+    neg, problem = start_version(root, ts)
     assert (neg.version, problem) == (0, None)
 
     (root / handoff.POINTER).write_text("not json")
-    neg, problem = _start_version(root, ts)
+    neg, problem = start_version(root, ts)
     assert neg.version == 0 and "CURRENT" in problem and "v0" in problem
 
     # no usable version at all: no version, a problem naming the pointer
     handoff.data_file(root, 0).write_bytes(b"corrupt")
-    neg, problem = _start_version(root, ts)
+    neg, problem = start_version(root, ts)
     assert neg is None and str(root / handoff.POINTER) in problem
 
 
 def test_waiting_for_mined_negatives_reports_a_bad_pointer_once(tmp_path):
-    from retromae_ds.finetune import _wait_for_mined
+    from retromae_ds.ance.negatives import wait_for_mined
 
     root = tmp_path / "negatives"
     handoff.publish(root, 0, _content(4, 0), step=0)
     (root / handoff.POINTER).write_text("{garbage")
     reports: list[str] = []
     with pytest.raises(TimeoutError, match="CURRENT"):
-        _wait_for_mined(root, 0, None, 1.5, tmp_path / "refresh.log", reports.append)
+        wait_for_mined(root, 0, None, 1.5, tmp_path / "refresh.log", reports.append)
     assert len(reports) == 1 and "CURRENT" in reports[0]
 
 
