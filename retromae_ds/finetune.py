@@ -29,23 +29,20 @@ uninterrupted one.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from retromae_ds import engine as eng
 from retromae_ds import sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
+from retromae_ds.ance.batches import BatchBuilder, batch_stream
 from retromae_ds.ance.bm25 import publish_bm25
+from retromae_ds.ance.local_refresher import start_local_refresher, stop_local_refresher
 from retromae_ds.ance.model import DualEncoder, load_body, save_encoders
 from retromae_ds.ance.negatives import (
     NegativesInUse,
@@ -176,43 +173,6 @@ class FinetuneConfig(RunConfig):
             raise ValueError(f"refresher must be none or local, not {self.refresher!r}")
 
 
-# --------------------------------------------------------------------------- batches
-class BatchBuilder:
-    """Batches as a pure function of (seed, epoch, query index, negatives version)."""
-
-    def __init__(self, ts: ance_data.TrainingSet, n_hard: int, seed: int) -> None:
-        self.ts, self.n_hard, self.seed = ts, n_hard, seed
-        width = max(len(p) for p in ts.positives)
-        self.positives = np.full((ts.num_queries, width), -1, dtype=np.int64)
-        for q, pos in enumerate(ts.positives):
-            self.positives[q, : len(pos)] = pos
-
-    def __call__(
-        self, queries: np.ndarray, epoch: int, negatives: handoff.Negatives
-    ) -> dict[str, torch.Tensor]:
-        ts = self.ts
-        passages = []
-        for q in queries.tolist():
-            rng = np.random.default_rng([self.seed, epoch, q, negatives.version])
-            pos = ts.positives[q]
-            pool = negatives.of(q)
-            if len(pool) == 0 and self.n_hard:
-                raise ValueError(f"negatives v{negatives.version} has none for query {q}")
-            hard = rng.choice(pool, size=self.n_hard, replace=len(pool) < self.n_hard)
-            passages += [int(pos[rng.integers(len(pos))]), *hard.tolist()]
-        p_index = np.asarray(passages, dtype=np.int64)
-        q_ids, q_mask = ance_data.token_batch(ts.queries, ts.query_rows[queries], ts.special)
-        p_ids, p_mask = ance_data.token_batch(ts.corpus, ts.passage_rows[p_index], ts.special)
-        return {
-            "q_ids": q_ids,
-            "q_mask": q_mask,
-            "p_ids": p_ids,
-            "p_mask": p_mask,
-            "p_index": torch.from_numpy(p_index),
-            "positives": torch.from_numpy(self.positives[queries]),
-        }
-
-
 def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
     """The refresher's settings (the ``refresh`` section) for any refresher of this run: the
     local subprocess, or a Slurm job step that waits for this file (slurm/finetune.sh)."""
@@ -227,66 +187,6 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
     }
     atomic_write_text(layout.refresh_config, json.dumps(refresh, indent=2))
     return layout.refresh_config
-
-
-PR_SET_PDEATHSIG = 1
-"""``prctl`` option: the signal a process gets when the thread that created it exits."""
-
-
-def _die_with(parent: int) -> Callable[[], None] | None:
-    """A ``preexec_fn``: the child gets SIGTERM when its parent dies (Linux; elsewhere None,
-    and the refresher's own ``--parent_pid`` polling does it). The signal follows the parent
-    *thread*: the trainer starts the refresher from its main thread, which lives as long as
-    the process. libc is looked up here, in the parent: the forked child of a threaded
-    process must not import anything."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def set_signal() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return set_signal
-
-
-def _start_local_refresher(cfg_file: Path, layout: RunLayout) -> subprocess.Popen:
-    """``retromae-ds refresh`` as one plain process beside rank 0, with its own log; it ends
-    when this process ends, however it ends (a ``kill -9`` included)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-        and k not in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-        and not k.startswith(("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-    }
-    log = open(layout.refresher_log, "ab")  # noqa: SIM115 (lives as long as the process)
-    me = os.getpid()
-    cmd = [sys.executable, "-m", "retromae_ds.ance.refresher", "--config", str(cfg_file)]
-    return subprocess.Popen(
-        [*cmd, "--parent_pid", str(me)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_die_with(me),  # noqa: PLW1509
-    )
-
-
-def _stop_local_refresher(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()  # a refresher killed anywhere leaves no visible partial version
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # --------------------------------------------------------------------------- the run
@@ -396,13 +296,6 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     if start_problem is not None:
         trainer.note(f"finetune: {start_problem}")
 
-    def batches() -> Iterator[dict[str, torch.Tensor]]:
-        while True:
-            if sampler.consumed + batch_size > len(sampler):  # skip an epoch's partial tail
-                sampler.advance(len(sampler) - sampler.consumed)
-            queries = sampler.indices(sampler.consumed, sampler.consumed + batch_size)
-            yield build(queries, sampler.epoch, negatives.current)
-
     def write_models(state: dict[str, torch.Tensor], staging: Path) -> None:
         save_encoders(model, state, staging, init_dir, lengths)
 
@@ -439,7 +332,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     if dist.rank == 0:
         refresh_file = _write_refresh_config(cfg, layout)
         if cfg.refresher == "local":
-            refresher = _start_local_refresher(refresh_file, layout)
+            refresher = start_local_refresher(refresh_file, layout.refresher_log)
             negatives.refresher, negatives.refresher_log = refresher, layout.refresher_log
     try:
         if cfg.negatives.mine_first and trainer.step == 0:
@@ -455,11 +348,11 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             )
             negatives.take(load_negatives(layout.negatives, version, ts), 0)
             trainer.note(f"finetune: step 0: negatives v{version} mined from the initial encoder")
-        last = trainer.fit(batches(), hooks)
+        last = trainer.fit(batch_stream(sampler, batch_size, build, negatives), hooks)
         if dist.rank == 0 and trainer.step >= max_steps:
             atomic_write_text(layout.finished, json.dumps({"step": trainer.step}))
     finally:
-        _stop_local_refresher(refresher)
+        stop_local_refresher(refresher)
         trainer.close()
     return last
 
