@@ -35,9 +35,9 @@ from retromae_ds.metrics_log import read_rows
 
 KNOBS: dict[str, dict[str, Any]] = {
     "reference": {},
-    "decoder_ratio=0.7": {"masking.decoder_ratio": 0.7},
-    "decoder_ratio=0.9": {"masking.decoder_ratio": 0.9},
-    "decoder_ratio=1.0": {"masking.decoder_ratio": 1.0},
+    "decoder_ratio=0.7": {"model.objective.decoder_ratio": 0.7},
+    "decoder_ratio=0.9": {"model.objective.decoder_ratio": 0.9},
+    "decoder_ratio=1.0": {"model.objective.decoder_ratio": 1.0},
     "encoder_ratio=0.15": {"masking.encoder_ratio": 0.15},
     "encoder_ratio=0.4": {"masking.encoder_ratio": 0.4},
     "encoder_ratio=0.5": {"masking.encoder_ratio": 0.5},
@@ -74,6 +74,14 @@ def combined(name: str) -> dict[str, Any]:
     return out
 
 
+def _current(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A saved pre-training config with the fields renamed since under their new names."""
+    from retromae_ds.config import apply_renamed
+    from retromae_ds.train import TrainConfig
+
+    return apply_renamed(TrainConfig, cfg, quiet=True)
+
+
 def template(study: Path) -> dict[str, Any]:
     """The reference RetroMAE continuation of ``study``: its retromae cell's config if it has
     one, else the mlm (or seed) cell's with the objective switched, else the base's own
@@ -82,16 +90,17 @@ def template(study: Path) -> dict[str, Any]:
         for path in sorted(
             (study / "cells" / "bert" / objective).glob("seed*/pretrain_config.json")
         ):
-            cfg = json.loads(path.read_text(encoding="utf-8"))
+            cfg = _current(json.loads(path.read_text(encoding="utf-8")))
             cfg["model"]["objective"]["name"] = "retromae"
             cfg["model"]["objective"]["strong_decoder"] = False
             return cfg
     base = study / "cells" / "bert" / "base" / "seed0"
     if (base / "pretrain_config.json").is_file():  # only the base so far: continue its settings
-        cfg = json.loads((base / "pretrain_config.json").read_text(encoding="utf-8"))
+        cfg = _current(json.loads((base / "pretrain_config.json").read_text(encoding="utf-8")))
         cfg["model"]["encoder"]["name"] = str(base / "pretrain")
-        cfg["model"]["objective"]["name"] = "retromae"
-        cfg["masking"] = {**cfg["masking"], "encoder_ratio": 0.3, "decoder_ratio": 0.5}
+        cfg["model"]["objective"] = {**cfg["model"]["objective"], "name": "retromae"}
+        cfg["model"]["objective"]["decoder_ratio"] = 0.5
+        cfg["masking"] = {**cfg["masking"], "encoder_ratio": 0.3}
         return cfg
     raise FileNotFoundError(
         f"{study}: no cells/bert/<objective>/seed*/pretrain_config.json and no base; run the "

@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import sys
 import textwrap
 import types
 import typing
@@ -89,8 +90,57 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     raise TypeError(f"{where}: unsupported config type {tp}")
 
 
+_NOTED: set[str] = set()
+"""Old field names already noted in this process (one note each)."""
+
+
+def _pop_dotted(data: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    *parents, leaf = dotted.split(".")
+    node: Any = data
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or leaf not in node:
+        return False, None
+    return True, node.pop(leaf)
+
+
+def apply_renamed(cls: type, data: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
+    """``data`` (a nested mapping for ``cls``) with the old names in ``cls.RENAMED`` (``{old
+    dotted name: new dotted name}``, relative to ``cls``) moved to their new place; each old
+    name used is noted once per process on stderr (unless ``quiet``). Both names at once is
+    an error naming them."""
+    renames: dict[str, str] = getattr(cls, "RENAMED", {})
+    if not renames:
+        return data
+    data = json.loads(json.dumps(data))
+    for old, new in renames.items():
+        found, value = _pop_dotted(data, old)
+        if not found:
+            continue
+        if _pop_dotted(json.loads(json.dumps(data)), new)[0]:
+            raise ValueError(f"{old} and {new} are one field (renamed): give only {new}")
+        data = merge_dotted(data, {new: value})
+        if not quiet and old not in _NOTED:
+            _NOTED.add(old)
+            print(f"note: {old} is now {new} (the old name still works)", file=sys.stderr)
+    return data
+
+
+def renamed_key(cls: type, dotted: str) -> str:
+    """The current name of the dotted field (or section member) ``dotted`` of ``cls``."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if dotted == old or dotted.startswith(old + "."):
+            if old not in _NOTED:
+                _NOTED.add(old)
+                print(f"note: --{old} is now --{new} (the old name still works)", file=sys.stderr)
+            return new + dotted[len(old) :]
+    return dotted
+
+
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """Build dataclass ``cls`` from a (nested) mapping; unknown keys are an error."""
+    """Build dataclass ``cls`` from a (nested) mapping; unknown keys are an error (old names
+    in ``cls.RENAMED`` are accepted: ``apply_renamed``)."""
+    data = apply_renamed(cls, data)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - names)
@@ -172,8 +222,9 @@ def merge_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
 
 def build_config(cls: type[T], file: str | Path | None, overrides: list[str]) -> T:
     """Config from an optional file plus command-line overrides (the latter win)."""
-    data = load_file(file) if file else {}
-    return from_dict(cls, merge_dotted(data, parse_overrides(overrides)))
+    data = apply_renamed(cls, load_file(file)) if file else {}
+    given = {renamed_key(cls, k): v for k, v in parse_overrides(overrides).items()}
+    return from_dict(cls, merge_dotted(data, given))
 
 
 def _class_docs(cls: type) -> tuple[str, dict[str, str]]:

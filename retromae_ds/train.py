@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,6 +69,9 @@ class TrainConfig(RunConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     eval: EvalConfig = resumable(default_factory=EvalConfig)
+
+    RENAMED: ClassVar[dict[str, str]] = {"masking.decoder_ratio": "model.objective.decoder_ratio"}
+    """Old field names still accepted (files, command line, saved runs): old -> new."""
 
     def __post_init__(self) -> None:
         if not self.data.shards:
@@ -156,7 +159,7 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
             f"{cfg.model.encoder.name}: encoder has {usable_positions(encoder)} positions < "
             f"max_length {max_length}; extend it with --model.encoder.max_positions {max_length}"
         )
-    model = PretrainModel(encoder, cfg.model.objective, cfg.masking.decoder_ratio)
+    model = PretrainModel(encoder, cfg.model.objective)
     trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
     restored = trainer.resume()
     trainer.start_log(

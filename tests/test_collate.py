@@ -322,7 +322,6 @@ def test_bad_inputs_are_rejected():
     collator([(0, *make_sample(rng, BERT, 30, 0.5))])  # exactly fits with [CLS]/[SEP]
     for bad in (
         {"encoder_ratio": 1.5},
-        {"decoder_ratio": -0.1},
         {"replace_mask": 0.9, "replace_random": 0.2},
     ):
         with pytest.raises(ValueError):

@@ -282,3 +282,54 @@ def test_resume_accepts_a_field_added_since_at_its_default(tmp_path):
     with pytest.raises(ValueError, match=r"optim.lr") as err:
         check_resume_config(cfg, path)
     assert "max_steps" not in str(err.value)
+
+
+def test_a_renamed_field_is_read_under_its_old_name_with_one_note(tmp_path, capsys):
+    """``masking.decoder_ratio`` is now ``model.objective.decoder_ratio`` (the model reads it,
+    not the collator): the old name works in a file and on the command line, noted once per
+    process; both names at once is an error naming both; a run saved with the old name
+    resumes, and refuses a different value under the new one."""
+    import retromae_ds.config as config
+    from retromae_ds.config import build_config, to_dict
+    from retromae_ds.train import TrainConfig
+    from retromae_ds.training.loop import check_resume_config
+
+    config._NOTED.clear()
+    old = {"data": {"shards": "s"}, "max_steps": 3, "masking": {"decoder_ratio": 0.7}}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    cfg = build_config(TrainConfig, path, [])
+    assert cfg.model.objective.decoder_ratio == 0.7
+    assert "masking.decoder_ratio is now model.objective.decoder_ratio" in capsys.readouterr().err
+    cli = build_config(TrainConfig, None, ["--data.shards", "s", "--max_steps", "3",
+                                           "--masking.decoder_ratio", "0.9"])  # fmt: skip
+    assert cli.model.objective.decoder_ratio == 0.9
+    assert capsys.readouterr().err == ""  # noted once per process
+    over = build_config(TrainConfig, path, ["--model.objective.decoder_ratio", "0.6"])
+    assert over.model.objective.decoder_ratio == 0.6  # the command line wins over the file
+    with pytest.raises(
+        ValueError, match=r"masking.decoder_ratio and model.objective.decoder_ratio"
+    ):
+        config.from_dict(
+            TrainConfig,
+            {**old, "model": {"objective": {"decoder_ratio": 0.5}}},
+        )
+
+    saved = to_dict(cfg)
+    del saved["model"]["objective"]["decoder_ratio"]
+    saved["masking"]["decoder_ratio"] = 0.7
+    del saved["optim"]["decoder_lr_scale"]
+    run_config = tmp_path / "config.json"
+    run_config.write_text(json.dumps(saved))
+    check_resume_config(cfg, run_config)
+    with pytest.raises(ValueError, match=r"model.objective.decoder_ratio \(0.7 -> 0.5\)"):
+        cfg.model.objective.decoder_ratio = 0.5
+        check_resume_config(cfg, run_config)
+
+
+def test_objective_decoder_ratio_is_a_share():
+    from retromae_ds.modeling.pretrain import ObjectiveConfig
+
+    with pytest.raises(ValueError, match="objective.decoder_ratio"):
+        ObjectiveConfig(decoder_ratio=-0.1)
+    assert ObjectiveConfig(decoder_ratio=1.0).decoder_ratio == 1.0

@@ -88,9 +88,8 @@ def batches(draw, max_rows: int = 5, max_tokens: int = 60, min_tokens: int = 0):
 
 
 def collate(items, *, seed=0, epoch=0, decoder_ratio=0.5, max_length=4096):
-    collator = PretrainCollator(
-        BERT, MaskingConfig(decoder_ratio=decoder_ratio), max_length, seed=seed
-    )
+    del decoder_ratio  # the decoder's ratio is the attention rule's (visibility), not the batch's
+    collator = PretrainCollator(BERT, MaskingConfig(), max_length, seed=seed)
     collator.epoch = epoch
     return collator(items)
 

@@ -101,7 +101,7 @@ def test_retromae_loss_equals_the_papers_formulas(rows, backend):
         EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
     )
     objective = ObjectiveConfig(name="retromae", attention=backend)
-    model = PretrainModel(encoder, objective, decoder_ratio=0.5).eval()
+    model = PretrainModel(encoder, objective).eval()
     batch = batch_of(rows)
     with torch.no_grad():
         out = model(batch)
@@ -117,10 +117,8 @@ def test_loss_weights_and_mlm_control():
         EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
     )
     batch = batch_of([10, 20])
-    weighted = PretrainModel(
-        encoder, ObjectiveConfig(mlm_weight=0.5, decoder_weight=2.0), 0.5
-    ).eval()
-    mlm_only = PretrainModel(encoder, ObjectiveConfig(name="mlm"), 0.5).eval()
+    weighted = PretrainModel(encoder, ObjectiveConfig(mlm_weight=0.5, decoder_weight=2.0)).eval()
+    mlm_only = PretrainModel(encoder, ObjectiveConfig(name="mlm")).eval()
     with torch.no_grad():
         w = weighted(batch)
         m = mlm_only(batch)
@@ -136,7 +134,7 @@ def test_gradients_reach_encoder_through_the_decoder_alone():
     encoder = build_encoder(
         EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
     )
-    model = PretrainModel(encoder, ObjectiveConfig(mlm_weight=0.0), 0.5)
+    model = PretrainModel(encoder, ObjectiveConfig(mlm_weight=0.0))
     model(batch_of([12, 9]))["loss"].backward()
     # the sentence embedding is the decoder's only view of the input: the encoder's last layer
     # must receive gradient from the reconstruction loss alone
@@ -165,7 +163,7 @@ def test_retromae_training_step_is_the_same_on_every_cpu_backend():
         encoder = build_encoder(
             EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
         )
-        model = PretrainModel(encoder, ObjectiveConfig(attention=backend), 0.5)
+        model = PretrainModel(encoder, ObjectiveConfig(attention=backend))
         out = model(batch)
         out["loss"].backward()
         losses.append(float(out["loss"]))
@@ -197,7 +195,7 @@ def test_decoders_on_flexattention_equal_reference_on_cuda(objective):
         encoder = build_encoder(
             EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), 60, 0
         )
-        model = PretrainModel(encoder, ObjectiveConfig(name=objective, attention=backend), 0.5)
+        model = PretrainModel(encoder, ObjectiveConfig(name=objective, attention=backend))
         out = model.cuda()(batch)
         out["loss"].backward()
         losses.append(float(out["loss"]))

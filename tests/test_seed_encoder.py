@@ -80,7 +80,7 @@ def test_seed_loss_equals_the_straightforward_decoder(window, strong):
         EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), SPECIAL.vocab_size, 0
     )
     objective = ObjectiveConfig(name="seed", decoder_layers=2, window=window, strong_decoder=strong)
-    model = PretrainModel(encoder, objective, decoder_ratio=0.5).eval()
+    model = PretrainModel(encoder, objective).eval()
     batch = batch_of([9, 14, 4])
     with torch.no_grad():
         out = model(batch)
@@ -94,7 +94,7 @@ def test_the_weak_decoder_depends_on_the_sentence_embedding():
     encoder = build_encoder(
         EncoderConfig(name="tiny", max_position_embeddings=64, dropout=0.0), SPECIAL.vocab_size, 0
     )
-    model = PretrainModel(encoder, ObjectiveConfig(name="seed", mlm_weight=0.0), 0.5)
+    model = PretrainModel(encoder, ObjectiveConfig(name="seed", mlm_weight=0.0))
     model(batch_of([12, 9]))["loss"].backward()
     grad = model.encoder.bert.encoder.layer[-1].output.dense.weight.grad
     assert grad is not None and grad.abs().sum() > 0
@@ -114,7 +114,7 @@ def test_seed_model_on_fast_backends_equals_reference(backend, strong):
             0,
         )
         objective = ObjectiveConfig(name="seed", attention=name, strong_decoder=strong)
-        model = PretrainModel(encoder, objective, 0.5)
+        model = PretrainModel(encoder, objective)
         out = model(batch)
         out["loss"].backward()
         losses.append(float(out["loss"]))

@@ -174,7 +174,6 @@ def test_export_round_trip_matches_training_time_embeddings(tmp_path, synthetic_
             EncoderConfig(name="tiny", max_position_embeddings=64), special.vocab_size, special.pad
         ),
         ObjectiveConfig(),
-        0.5,
     )
     model.load_state_dict(state)
     model.eval()

@@ -121,7 +121,7 @@ def test_pretraining_loss_and_gradients_equal_the_plain_head(objective, make):
     for head in ("plain", "chunked"):
         torch.manual_seed(1)
         model = PretrainModel(
-            copy.deepcopy(encoder), ObjectiveConfig(name=objective, head=head, head_chunk=7), 0.5
+            copy.deepcopy(encoder), ObjectiveConfig(name=objective, head=head, head_chunk=7)
         )
         out = model(batch)
         out["loss"].backward()
@@ -139,7 +139,7 @@ def test_an_unknown_head_is_refused_with_the_way_out():
     encoder = _bert_encoder()
     encoder.cls = torch.nn.Sequential(torch.nn.Linear(128, SPECIAL.vocab_size))
     with pytest.raises(ValueError, match="head plain"):
-        PretrainModel(encoder, ObjectiveConfig(), 0.5)
-    PretrainModel(encoder, ObjectiveConfig(head="plain"), 0.5)  # the plain path takes any head
+        PretrainModel(encoder, ObjectiveConfig())
+    PretrainModel(encoder, ObjectiveConfig(head="plain"))  # the plain path takes any head
     with pytest.raises(ValueError, match="objective.head"):
         ObjectiveConfig(head="fused")

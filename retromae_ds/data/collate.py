@@ -37,15 +37,13 @@ class MaskingConfig:
 
     encoder_ratio: float = 0.3
     """Share of whole words masked in the encoder input (RetroMAE 0.3; BERT-style MLM 0.15)."""
-    decoder_ratio: float = 0.5
-    """Share of words each decoder query position may not see (RetroMAE's aggressive ratio)."""
     replace_mask: float = 0.8
     """Of the masked tokens: share replaced by [MASK]."""
     replace_random: float = 0.1
     """Of the masked tokens: share replaced by a random token (the rest stay unchanged)."""
 
     def __post_init__(self) -> None:
-        for name in ("encoder_ratio", "decoder_ratio", "replace_mask", "replace_random"):
+        for name in ("encoder_ratio", "replace_mask", "replace_random"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"masking.{name} must be in [0, 1], got {value}")

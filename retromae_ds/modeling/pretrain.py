@@ -48,6 +48,9 @@ class ObjectiveConfig:
     """Weight of the encoder MLM loss."""
     decoder_weight: float = 1.0
     """Weight of the decoder reconstruction loss."""
+    decoder_ratio: float = 0.5
+    """RetroMAE: share of words each decoder query position may not see (the report's
+    aggressive ratio; drawn per position by the decoder's attention rule)."""
     attention: str = "auto"
     """Decoder attention backend: ``auto`` (per device and rule: ``flex`` on CUDA; ``window``
     or ``chunked`` elsewhere), ``flex``, ``chunked``, ``window`` or ``reference`` (dense mask +
@@ -75,6 +78,8 @@ class ObjectiveConfig:
                 f"objective.attention must be 'auto' or one of {sorted(BACKENDS)}, "
                 f"not {self.attention!r}"
             )
+        if not 0.0 <= self.decoder_ratio <= 1.0:
+            raise ValueError(f"objective.decoder_ratio must be in [0, 1], got {self.decoder_ratio}")
         if self.decoder_layers < 1 or self.window < 1:
             raise ValueError("objective.decoder_layers and objective.window must be >= 1")
         if self.head not in ("chunked", "plain") or self.head_chunk < 0:
@@ -84,13 +89,11 @@ class ObjectiveConfig:
 
 
 class PretrainModel(nn.Module):
-    def __init__(
-        self, encoder: nn.Module, objective: ObjectiveConfig, decoder_ratio: float
-    ) -> None:
+    def __init__(self, encoder: nn.Module, objective: ObjectiveConfig) -> None:
         super().__init__()
         self.encoder = encoder
         self.objective = objective
-        self.decoder_ratio = decoder_ratio
+        self.decoder_ratio = objective.decoder_ratio
         c = encoder.config
 
         def layer() -> CrossStreamLayer:

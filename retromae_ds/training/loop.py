@@ -31,7 +31,7 @@ import torch
 from retromae_ds import engine as eng
 from retromae_ds import faults
 from retromae_ds.checkpoint import CheckpointManager, Restored, latest_complete, read_marker
-from retromae_ds.config import flat_defaults, resume_may_change, to_dict
+from retromae_ds.config import apply_renamed, flat_defaults, resume_may_change, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.errors import (
     USER_ERRORS,
@@ -65,7 +65,7 @@ def check_resume_config(cfg: RunConfig, saved: Path) -> None:
     saved config predates while it holds its default (it then means what the old run did)."""
     if not saved.is_file():
         return  # a checkpoint from elsewhere: nothing to compare with
-    old = _flatten(json.loads(saved.read_text()))
+    old = _flatten(apply_renamed(type(cfg), json.loads(saved.read_text()), quiet=True))
     new = _flatten(to_dict(cfg))
     allowed = resume_may_change(type(cfg))
     defaults = flat_defaults(type(cfg))
