@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["refresh"]:
         from retromae_ds.ance.refresher import main as refresh_main
 
-        return run_reporting("retromae-ds refresh", refresh_main, argv[1:])
+        return refresh_main(argv[1:])
     if argv[:1] == ["eval"]:
         from retromae_ds.eval.run import add_eval_args, cmd_eval
 

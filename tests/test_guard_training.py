@@ -139,9 +139,13 @@ def test_debug_zero_means_off(tmp_path, value):
     ]
     others = (["export", str(tmp_path / "nothing"), str(tmp_path / "out")],
               ["refresh", "--run_dir", ""])  # fmt: skip
-    for command in others if value == "0" else ():
+    module = ["-m", "retromae_ds.cli"]
+    # the local refresher and slurm/finetune.sh run the refresher as its own module
+    refresher = (["-m", "retromae_ds.ance.refresher"], ["--run_dir", ""])
+    runs = [(module, c) for c in others] + [refresher]
+    for launcher, command in runs if value == "0" else ():
         other = subprocess.run(
-            [sys.executable, "-m", "retromae_ds.cli", *command],
+            [sys.executable, *launcher, *command],
             cwd=REPO, env={**ENV, "RETROMAE_DS_DEBUG": value}, capture_output=True, text=True,
         )  # fmt: skip
         assert other.returncode != 0 and "Traceback" not in other.stderr, other.stderr

@@ -62,6 +62,7 @@ from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine, 
 from retromae_ds.ance.model import load_body
 from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
 from retromae_ds.data.dataset import ShardDataset
+from retromae_ds.errors import run_reporting
 from retromae_ds.eval.encode import pool, resolve_device
 from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
 from retromae_ds.layout import ENCODER, QUERY_ENCODER, RunLayout
@@ -646,29 +647,29 @@ def _next_action(
     return {"do": "wait", "ready": True}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run_main(argv: list[str] | None) -> None:
     from retromae_ds.config import make_parser, parse_config
 
     parser = make_parser(
         RefreshConfig, prog="retromae-ds refresh", description=__doc__.splitlines()[0]
     )
+    cfg, _ = parse_config(RefreshConfig, parser, argv)
     try:
-        cfg, _ = parse_config(RefreshConfig, parser, argv)
         run_refresher(cfg)
-    except (ValueError, OSError) as exc:
-        # one line naming the file and what to do (also under ``python -m``, where the trainer's
-        # local refresher runs and its log is read by people)
-        if os.environ.get("RETROMAE_DS_DEBUG"):
-            raise
-        todo = (
-            "; the trainer trains on with the version it has: free space there and start the "
-            "refresher again (a resumed fine-tuning starts its local one)"
-            if isinstance(exc, handoff.NegativesWriteError)
-            else ""
+    except handoff.NegativesWriteError as exc:
+        error = handoff.NegativesWriteError(
+            f"{exc}; the trainer trains on with the version it has: free space there and start "
+            "the refresher again (a resumed fine-tuning starts its local one)"
         )
-        print(f"retromae-ds refresh: error: {exc}{todo}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, ValueError) else 1
-    return 0
+        error.errno = exc.errno
+        raise error from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``retromae-ds refresh`` (also ``python -m retromae_ds.ance.refresher``, as the trainer's
+    local refresher and slurm/finetune.sh run it): one error line, exit 2 for bad input and 1
+    for files, a traceback only with ``RETROMAE_DS_DEBUG`` on (``errors.run_reporting``)."""
+    return run_reporting("retromae-ds refresh", _run_main, argv)
 
 
 if __name__ == "__main__":
