@@ -113,21 +113,17 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
     node = cfg
     for key in parents:
         node = node[key]
-    if leaf not in node and leaf not in _current_fields(parents):
+    # a study's saved config predates fields added since: those of this version may be set
+    if leaf not in node and dotted not in _fields():
         raise KeyError(f"knob field {dotted!r} is not in the pre-training config")
     node[leaf] = value
 
 
-def _current_fields(parents: list[str]) -> dict[str, Any]:
-    """The fields of section ``parents`` in this version's pre-training config (a study's saved
-    config predates fields added since: they may still be set)."""
-    from retromae_ds.config import to_dict
-    from retromae_ds.train import DataConfig, TrainConfig
+def _fields() -> dict[str, Any]:
+    from retromae_ds.config import flat_defaults
+    from retromae_ds.train import TrainConfig
 
-    node: dict[str, Any] = to_dict(TrainConfig(data=DataConfig(shards="-"), max_steps=1))
-    for key in parents:
-        node = node.get(key, {})
-    return node
+    return flat_defaults(TrainConfig)
 
 
 def shards_at(study: Path, base_shards: Path, length: int, out: Path) -> Path:

@@ -94,14 +94,19 @@ _NOTED: set[str] = set()
 """Old field names already noted in this process (one note each)."""
 
 
-def _pop_dotted(data: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+def _parent_of(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+    """(the mapping holding dotted field ``dotted`` in ``data``, or None; its last name)."""
     *parents, leaf = dotted.split(".")
     node: Any = data
     for part in parents:
         node = node.get(part) if isinstance(node, dict) else None
-    if not isinstance(node, dict) or leaf not in node:
-        return False, None
-    return True, node.pop(leaf)
+    return (node if isinstance(node, dict) and leaf in node else None), leaf
+
+
+def _note_renamed(old: str, new: str) -> None:
+    if old not in _NOTED:
+        _NOTED.add(old)
+        print(f"note: {old} is now {new} (the old name still works)", file=sys.stderr)
 
 
 def apply_renamed(cls: type, data: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
@@ -114,15 +119,14 @@ def apply_renamed(cls: type, data: dict[str, Any], *, quiet: bool = False) -> di
         return data
     data = json.loads(json.dumps(data))
     for old, new in renames.items():
-        found, value = _pop_dotted(data, old)
-        if not found:
+        holder, leaf = _parent_of(data, old)
+        if holder is None:
             continue
-        if _pop_dotted(json.loads(json.dumps(data)), new)[0]:
+        if _parent_of(data, new)[0] is not None:
             raise ValueError(f"{old} and {new} are one field (renamed): give only {new}")
-        data = merge_dotted(data, {new: value})
-        if not quiet and old not in _NOTED:
-            _NOTED.add(old)
-            print(f"note: {old} is now {new} (the old name still works)", file=sys.stderr)
+        data = merge_dotted(data, {new: holder.pop(leaf)})
+        if not quiet:
+            _note_renamed(old, new)
     return data
 
 
@@ -130,9 +134,7 @@ def renamed_key(cls: type, dotted: str) -> str:
     """The current name of the dotted field (or section member) ``dotted`` of ``cls``."""
     for old, new in getattr(cls, "RENAMED", {}).items():
         if dotted == old or dotted.startswith(old + "."):
-            if old not in _NOTED:
-                _NOTED.add(old)
-                print(f"note: --{old} is now --{new} (the old name still works)", file=sys.stderr)
+            _note_renamed(old, new)
             return new + dotted[len(old) :]
     return dotted
 
