@@ -586,3 +586,64 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
 
         off, _, enc = mine_from("e", same, cache_dir="")
         assert off["embedding_cache"] == {"passages": "off", "queries": "off"} and len(enc) == 2
+
+
+def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
+    tmp_path, tokenizer_dir
+):
+    """The stages leave their outputs in ``.work/vN``: a refresher that fails while
+    publishing (a write error, injected into ``handoff.publish``) leaves the merged ranking
+    there; the next one mines and publishes from it without encoding, and the version equals
+    the one an uninterrupted refresher publishes."""
+    from retromae_ds.ance import publish, refresher
+    from retromae_ds.ance.bm25 import publish_bm25
+    from retromae_ds.ance.refresh_config import RefreshConfig
+
+    beir = write_synthetic_beir(tmp_path / "beir")
+    data = prepared_set(tmp_path / "data", beir, tokenizer_dir)
+    ts = ance_data.load(data)
+    encoder = write_tiny_encoder(tmp_path / "enc", tokenizer_dir, seed=3)
+    calls: list[str] = []
+    real_encode, real_publish = refresher.encode_rows, handoff.publish
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["desc"])
+        return real_encode(*args, **kwargs)
+
+    def full_disk(*args, **kwargs):
+        raise handoff.write_error(Path(args[0]), OSError(28, "No space left on device"), "v1")
+
+    def setup(name: str) -> tuple[RefreshConfig, Path]:
+        run = tmp_path / name
+        cfg = RefreshConfig(
+            run_dir=str(run), data_dir=str(data), top_k=10, num_negatives=3, batch_size=8,
+            device="cpu", max_score_ratio=0.99, progress=False,
+        )  # fmt: skip
+        publish_bm25(cfg, ts, RunLayout(run).negatives)
+        return cfg, fake_checkpoint(run, 4, encoder)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(refresher, "encode_rows", counting)
+        cfg, checkpoint = setup("straight")
+        straight = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+
+        cfg, checkpoint = setup("broken")
+        work = RunLayout(cfg.run_dir).negatives / ".work" / "v1"
+        patch.setattr(publish.handoff, "publish", full_disk)
+        with pytest.raises(handoff.NegativesWriteError):
+            refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+        assert (work / refresher.RANKING).is_file()
+        assert handoff.published_versions(RunLayout(cfg.run_dir).negatives) == [0]
+
+        patch.setattr(publish.handoff, "publish", real_publish)
+        calls.clear()
+        resumed = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+    assert calls == []  # nothing encoded again
+    assert resumed["embedding_cache"] == {"passages": "ranked", "queries": "ranked"}
+    assert not work.exists()
+    assert resumed["false_negative_filter"] == straight["false_negative_filter"]
+    a = load_current(tmp_path / "straight" / "negatives")
+    b = load_current(tmp_path / "broken" / "negatives")
+    assert (a.version, b.version) == (1, 1)
+    for q in range(ts.num_queries):
+        assert a.of(q).tolist() == b.of(q).tolist()

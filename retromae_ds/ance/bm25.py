@@ -1,6 +1,6 @@
 """The first negatives of a fine-tuning run: BM25's top-K (``eval.lexical``, language-aware),
-mined with the run's settings (``ance.mining``) and published as a version of its negatives
-folder (``ance.handoff``)."""
+one more ranking handed to the refresher's own mine-and-publish path (``ance.publish``) with
+the run's mining settings and seed."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import numpy as np
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.data import TrainingSet
-from retromae_ds.ance.mining import mine
-from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
+from retromae_ds.ance.publish import Ranking, mine_and_publish
+from retromae_ds.ance.refresh_config import RefreshConfig
 
 
 def bm25_rankings(
@@ -49,29 +49,15 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
     ranked = bm25_rankings(
         passages, [queries[q] for q in ts.query_ids], cfg.top_k, progress=cfg.progress
     )
-    negatives = mine(
-        ranked,
-        ts.positives,
-        cfg.num_negatives,
-        strategy=cfg.strategy,
-        skip_top=cfg.skip_top,
-        seed=cfg.seed,
-        num_passages=ts.num_passages,
-    )
-    root = Path(root)
-    version = handoff.next_version(root)
-    handoff.publish(
+    manifest, _ = mine_and_publish(
         root,
-        version,
-        negatives,
+        handoff.next_version(Path(root)),
+        Ranking(ids=ranked),
+        ts,
+        cfg,
+        seed=cfg.seed,
         step=0,
-        meta={
-            "source": "bm25",
-            "analyzer": choose_analyzer(passages),
-            "data": ts.fingerprint(),
-            "settings": mining_settings(cfg),
-            "timings": {"bm25_s": round(time.perf_counter() - t0, 3)},
-        },
-        keep_last=cfg.keep_last,
+        source={"source": "bm25", "analyzer": choose_analyzer(passages)},
+        timings={"bm25_s": time.perf_counter() - t0},
     )
-    return json.loads(handoff.manifest_file(root, version).read_text())
+    return manifest

@@ -12,10 +12,14 @@ trainer's ``--refresher local`` subprocess) that loops:
    encoder's files, the data, the rows, pooling, precision), so runs from the same init
    encode its step-0 checkpoint once between them;
 4. each rank searches all queries in its own part (``retromae_ds.index``: faiss, on GPUs when
-   usable, or exact torch matmul + top-k), so no rank ever holds the whole corpus embedding
-   matrix; rank 0 merges the ranks' top-K lists (``merge_topk``, ``[Q, K]`` each);
-5. removes every positive, samples n negatives per query (``mining.mine``) and publishes
-   ``negatives/v{N}.arrow`` + manifest + the ``CURRENT`` pointer (``handoff.publish``).
+   usable, or exact torch matmul + top-k) into ``topk_rank{r}.npz``, so no rank ever holds the
+   whole corpus embedding matrix; rank 0 merges the ranks' top-K lists (``merge_topk``,
+   ``[Q, K]`` each) into ``ranking.npz`` (a refresher restarted after that point mines from it
+   without encoding again);
+5. hands the ranking to ``publish.mine_and_publish``, the path BM25's first version takes too:
+   the false-negative filter, every positive removed, n negatives sampled per query
+   (``mining.mine``, seed ``seed + N``) and ``negatives/v{N}.arrow`` + manifest + the
+   ``CURRENT`` pointer published (``handoff.publish``).
 
 Versions continue from the last published one after a restart; a refresher killed at any
 point leaves only the hidden ``.work`` folder, never a visible partial version. An unreadable
@@ -46,6 +50,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +63,10 @@ from retromae_ds import faults, holder_lock, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
-from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine, positive_scores
+from retromae_ds.ance.mining import positive_scores
 from retromae_ds.ance.model import load_body
-from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
+from retromae_ds.ance.publish import Ranking, mine_and_publish
+from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.errors import run_reporting
 from retromae_ds.eval.encode import pool, resolve_device
@@ -265,22 +271,29 @@ def _pick_device(cfg: RefreshConfig, local_rank: int) -> torch.device:
     return device
 
 
-def refresh_once(
-    cfg: RefreshConfig,
-    ts: ance_data.TrainingSet,
-    checkpoint: Path,
-    version: int,
-    group: _Group,
-) -> dict[str, Any] | None:
-    """Mine and publish version ``version`` from ``checkpoint``; returns the manifest
-    (rank 0) or None. Every rank calls it."""
-    from retromae_ds.index import ExactIndex, merge_topk
+@dataclass
+class _Job:
+    """One version being mined: what every stage reads, and where it leaves its files
+    (``negatives/.work/v{N}``: each stage's output is there before the next stage starts)."""
 
-    layout = RunLayout(cfg.run_dir)
-    root = layout.negatives
+    cfg: RefreshConfig
+    ts: ance_data.TrainingSet
+    checkpoint: Path
+    version: int
+    step: int
+    group: _Group
+    work: Path
+    timings: dict[str, float] = field(default_factory=dict)
+    cached: dict[str, str] = field(default_factory=dict)
+
+    def part(self, name: str, rank: int | None = None) -> Path:
+        return self.work / f"{name}_rank{self.group.rank if rank is None else rank:05d}"
+
+
+def _open_work(root: Path, version: int, meta: dict[str, Any], group: _Group) -> Path:
+    """``root/.work/v{version}``, kept when it holds parts of the same checkpoint and ranks
+    (``meta.json``), otherwise started over; every other version's work folder removed."""
     work = root / ".work" / f"v{version}"
-    step = ckpt.read_marker(checkpoint)["step"]
-    meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
     if group.rank == 0:
         if (work / "meta.json").is_file() and _read_json(work / "meta.json") != meta:
             shutil.rmtree(work)  # parts of another checkpoint (or unknown ones): start over
@@ -291,13 +304,21 @@ def refresh_once(
             work.mkdir(parents=True, exist_ok=True)
             atomic_write_text(work / "meta.json", json.dumps(meta))
     group.barrier()
-    timings: dict[str, float] = {}
+    return work
+
+
+def encode_stage(job: _Job) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every rank: its contiguous part of the passages (``passages_rank{r}.npy``, reused when
+    a killed refresher left it complete) and of the queries (``queries_rank{r}.npy``), from
+    the embedding cache when it holds them; returns (its passages, all queries, the index of
+    its first passage)."""
+    cfg, ts, group, timings = job.cfg, job.ts, job.group, job.timings
     t0 = time.perf_counter()
     device = _pick_device(cfg, group.local_rank)
-    encoder_dir = checkpoint / ENCODER
+    encoder_dir = job.checkpoint / ENCODER
     spec = sbert.read_spec(encoder_dir)
     passage_model = load_body(encoder_dir).to(device)
-    query_dir = checkpoint / QUERY_ENCODER
+    query_dir = job.checkpoint / QUERY_ENCODER
     query_model = load_body(query_dir).to(device) if query_dir.is_dir() else passage_model
     use_bf16 = cfg.bf16 and (device.type == "cuda" or cfg.bf16_cpu)
     amp = torch.bfloat16 if use_bf16 else None
@@ -311,7 +332,7 @@ def refresh_once(
     )
     if group.rank == 0:
         print(
-            f"refresh: v{version} from {checkpoint.name} (step {step}): encoding "
+            f"refresh: v{job.version} from {job.checkpoint.name} (step {job.step}): encoding "
             f"{ts.num_passages} passages on {group.world} rank(s)",
             file=sys.stderr,
             flush=True,
@@ -342,13 +363,12 @@ def refresh_once(
             "rows": rows_digest(ts.query_rows[qlo:qhi]),
         }
         timings["cache_key_s"] = time.perf_counter() - t0
-    cached: dict[str, str] = {}
 
     def encode(what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray) -> np.ndarray:
         """``rows`` encoded, or loaded from the embedding cache (and stored there on a miss)."""
         key = cache.key({"texts": what, **keys[what]}) if cache.enabled else ""
         found = cache.load(key, (len(rows), model.config.hidden_size)) if key else None
-        cached[what] = "off" if not key else "miss" if found is None else "hit"
+        job.cached[what] = "off" if not key else "miss" if found is None else "hit"
         if found is not None:
             return found
         out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)
@@ -356,7 +376,7 @@ def refresh_once(
             try:
                 cache.save(key, out, {"texts": what, **keys[what]})
             except OSError as exc:  # the cache only saves time: say so and go on without it
-                cached[what] = "not stored"
+                job.cached[what] = "not stored"
                 print(
                     f"refresh: embedding cache {cfg.cache_dir}: not stored "
                     f"({handoff.write_error(Path(cfg.cache_dir), exc, 'embeddings')})",
@@ -366,35 +386,43 @@ def refresh_once(
         return out
 
     t0 = time.perf_counter()
-    part_file = work / f"passages_rank{group.rank:05d}.npy"
+    part_file = job.part("passages").with_suffix(".npy")
     if part_file.is_file():  # left complete by a refresher killed later in this version
         passages = np.load(part_file)
-        cached["passages"] = "resumed"
+        job.cached["passages"] = "resumed"
     else:
         passages = encode("passages", passage_model, ts.corpus, ts.passage_rows[lo:hi])
         _save_part(part_file, passages, "passage embeddings")
     timings["encode_passages_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     query_part = encode("queries", query_model, ts.queries, ts.query_rows[qlo:qhi])
-    _save_part(work / f"queries_rank{group.rank:05d}.npy", query_part, "query embeddings")
+    _save_part(job.part("queries").with_suffix(".npy"), query_part, "query embeddings")
     group.barrier()
     queries = np.concatenate(
-        [np.load(work / f"queries_rank{r:05d}.npy") for r in range(group.world)]
+        [np.load(job.part("queries", r).with_suffix(".npy")) for r in range(group.world)]
     )
     timings["encode_queries_s"] = time.perf_counter() - t0
-    del passage_model, query_model
+    return passages, queries, lo
 
+
+def search_stage(job: _Job, passages: np.ndarray, queries: np.ndarray, lo: int) -> None:
+    """Every rank: all queries against its own passages (``retromae_ds.index``), top-K with
+    global passage indices and the scores of the positives it holds, written to
+    ``topk_rank{r}.npz``; no rank ever holds the whole corpus embedding matrix."""
+    from retromae_ds.index import ExactIndex
+
+    cfg, timings = job.cfg, job.timings
     t0 = time.perf_counter()
     index = ExactIndex(passages.shape[1], backend=cfg.index)
     index.add(passages)
     timings["index_build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    k = min(cfg.top_k, max(1, hi - lo))
+    k = min(cfg.top_k, max(1, len(passages)))
     scores_parts, ids_parts = [], []
     q_step = 4096
     for s in tqdm(
         range(0, len(queries), q_step),
-        desc=f"search r{group.rank}",
+        desc=f"search r{job.group.rank}",
         unit="batch",
         disable=not cfg.progress,
     ):
@@ -403,86 +431,110 @@ def refresh_once(
         ids_parts.append(np.where(ix >= 0, ix + lo, -1))
     scores = np.concatenate(scores_parts) if scores_parts else np.zeros((0, k), np.float32)
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, k), np.int64)
-    pos_scores = positive_scores(queries, passages, lo, ts.positives)
-    del index, passages
-    topk = work / f"topk_rank{group.rank:05d}.npz"
-    hidden = topk.with_name(f".{topk.name}")
-    with _writing(topk, "the search results", hidden):
-        np.savez(hidden, scores=scores, ids=ids, positives=pos_scores)
-        os.replace(hidden, topk)
+    pos_scores = positive_scores(queries, passages, lo, job.ts.positives)
+    topk = job.part("topk").with_suffix(".npz")
+    with _writing(topk, "the search results", topk.with_name(f".{topk.name}")):
+        Ranking(ids=ids, scores=scores, positives=pos_scores).save(topk)
     timings["search_s"] = time.perf_counter() - t0
-    group.barrier()
+
+
+def merge_stage(job: _Job) -> Ranking:
+    """Rank 0: the ranks' top-K lists merged into one (``merge_topk``) and the positives'
+    scores joined (each pair was scored on one rank), written to ``ranking.npz``."""
+    from retromae_ds.index import merge_topk
+
+    t0 = time.perf_counter()
+    merged = Ranking.load(job.part("topk", 0).with_suffix(".npz"))
+    scores, ids, pos_scores = merged.scores, merged.ids, merged.positives
+    for r in range(1, job.group.world):
+        part = Ranking.load(job.part("topk", r).with_suffix(".npz"))
+        scores, ids = merge_topk(scores, ids, part.scores, part.ids, job.cfg.top_k)
+        pos_scores = np.fmin(pos_scores, part.positives)
+    ranking = Ranking(ids=ids, scores=scores, positives=pos_scores)
+    path = job.work / RANKING
+    with _writing(path, "the merged ranking", path.with_name(f".{path.name}")):
+        ranking.save(path)
+    job.timings["merge_s"] = time.perf_counter() - t0
+    return ranking
+
+
+RANKING = "ranking.npz"
+"""The merged ranking of a version in its work folder: a refresher restarted after it was
+written mines and publishes from it without encoding again."""
+
+
+def refresh_once(
+    cfg: RefreshConfig,
+    ts: ance_data.TrainingSet,
+    checkpoint: Path,
+    version: int,
+    group: _Group,
+) -> dict[str, Any] | None:
+    """Mine and publish version ``version`` from ``checkpoint`` through the stages encode →
+    search → merge (files in ``negatives/.work/v{N}``) → mine and publish
+    (``publish.mine_and_publish``, the BM25 version's path too); returns the manifest
+    (rank 0) or None. Every rank calls it."""
+    layout = RunLayout(cfg.run_dir)
+    root = layout.negatives
+    step = ckpt.read_marker(checkpoint)["step"]
+    meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
+    work = _open_work(root, version, meta, group)
+    job = _Job(cfg, ts, checkpoint, version, step, group, work)
+    ranked = group.broadcast((work / RANKING).is_file() if group.rank == 0 else None)
+    if not ranked:
+        passages, queries, lo = encode_stage(job)
+        search_stage(job, passages, queries, lo)
+        del passages, queries
+        group.barrier()
     manifest = None
     if group.rank == 0:
-        t0 = time.perf_counter()
-        merged_scores, merged_ids = scores, ids
-        for r in range(1, group.world):
-            part = np.load(work / f"topk_rank{r:05d}.npz")
-            merged_scores, merged_ids = merge_topk(
-                merged_scores, merged_ids, part["scores"], part["ids"], cfg.top_k
+        if ranked:
+            ranking = Ranking.load(work / RANKING)
+            job.cached = {"passages": "ranked", "queries": "ranked"}
+            print(f"refresh: v{version}: ranking found in {work}", file=sys.stderr, flush=True)
+        else:
+            ranking = merge_stage(job)
+        if "encode_passages_s" in job.timings:
+            job.timings["passages_per_s"] = ts.num_passages / max(
+                job.timings["encode_passages_s"], 1e-9
             )
-            pos_scores = np.fmin(pos_scores, part["positives"])  # each pair on one rank
-        filtered = None
-        if cfg.max_score_ratio > 0:
-            merged_ids, dropped = drop_likely_positives(
-                merged_ids,
-                merged_scores,
-                min_per_query(pos_scores, ts.positives),
-                cfg.max_score_ratio,
-            )
-            filtered = {
-                "dropped": int(dropped.sum()),
-                "queries_with_drops": int((dropped > 0).sum()),
-                "mean_per_query": round(float(dropped.mean()), 3),
-            }
-        negatives = mine(
-            merged_ids,
-            ts.positives,
-            cfg.num_negatives,
-            strategy=cfg.strategy,
-            skip_top=cfg.skip_top,
-            seed=cfg.seed + version,
-            num_passages=ts.num_passages,
-        )
-        timings["mine_s"] = time.perf_counter() - t0
-        timings["passages_per_s"] = ts.num_passages / max(timings["encode_passages_s"], 1e-9)
-        rounded = {k: round(v, 3) for k, v in timings.items()}
-        handoff.publish(
+        manifest, filtered = mine_and_publish(
             root,
             version,
-            negatives,
+            ranking,
+            ts,
+            cfg,
+            seed=cfg.seed + version,
             step=step,
-            meta={
-                "source": "model",
-                "checkpoint": checkpoint.name,
-                "data": ts.fingerprint(),
-                "settings": mining_settings(cfg),
-                "false_negative_filter": filtered,
-                "ranks": group.world,
-                "embedding_cache": cached,
-                "timings": rounded,
-            },
-            keep_last=cfg.keep_last,
+            source={"source": "model", "checkpoint": checkpoint.name},
+            extra={"ranks": group.world, "embedding_cache": job.cached},
+            timings=job.timings,
         )
-        manifest = json.loads(handoff.manifest_file(root, version).read_text())
-        dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
-        try:
-            with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"version": version, "step": step, **rounded, **dropped}) + "\n")
-        except OSError as exc:  # the version is published; its timings are in its manifest too
-            print(
-                f"refresh: {layout.refresh_metrics}: timings not appended ({exc})",
-                file=sys.stderr,
-                flush=True,
-            )
+        _record(layout, manifest, filtered)
         shutil.rmtree(work, ignore_errors=True)
         print(
-            f"refresh: published v{version} (step {step}) {rounded}; embedding cache {cached}",
+            f"refresh: published v{version} (step {step}) {manifest['timings']}; "
+            f"embedding cache {job.cached}",
             file=sys.stderr,
             flush=True,
         )
     group.barrier()
     return manifest
+
+
+def _record(layout: RunLayout, manifest: dict[str, Any], filtered: dict[str, Any] | None) -> None:
+    """One line of ``RUN/refresh_metrics.jsonl`` for a published version."""
+    dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
+    row = {"version": manifest["version"], "step": manifest["step"], **manifest["timings"]}
+    try:
+        with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
+            f.write(json.dumps({**row, **dropped}) + "\n")
+    except OSError as exc:  # the version is published; its timings are in its manifest too
+        print(
+            f"refresh: {layout.refresh_metrics}: timings not appended ({exc})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- the loop

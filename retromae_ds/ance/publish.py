@@ -1,0 +1,111 @@
+"""The one path from a ranking to a published negatives version: BM25's first ranking
+(``ance.bm25``) and every dense search of the refresher (``ance.refresher``) end here.
+
+``Ranking`` is what a search stage hands over (``[Q, K]`` passage indices best first, and for
+a dense search their scores and the score of each query's lowest-scoring positive, which the
+false-negative filter needs). ``mine_and_publish`` applies that filter when it can
+(``max_score_ratio`` > 0 and scores present), removes every positive and samples the
+negatives (``mining.mine``), then publishes the version atomically (``handoff.publish``:
+``vN.arrow`` + ``vN.json`` + ``CURRENT``), recording the mining settings and timings in its
+manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from retromae_ds.ance import handoff
+from retromae_ds.ance.data import TrainingSet
+from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine
+from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """Candidates per training query, best first (``-1`` in empty slots)."""
+
+    ids: np.ndarray
+    """``[Q, K]`` int64 passage indices."""
+    scores: np.ndarray | None = None
+    """``[Q, K]`` similarity of each candidate (dense search only)."""
+    positives: np.ndarray | None = None
+    """Per (query, positive) pair, its score (dense search only; see ``mining.min_per_query``)."""
+
+    def save(self, path: Path) -> None:
+        """Write to ``path`` (``.npz``) atomically: a hidden temporary renamed into place."""
+        hidden = path.with_name(f".{path.name}")
+        arrays = {"ids": self.ids}
+        arrays.update({} if self.scores is None else {"scores": self.scores})
+        arrays.update({} if self.positives is None else {"positives": self.positives})
+        with open(hidden, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(hidden, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Ranking:
+        with np.load(path) as z:
+            return cls(
+                ids=z["ids"],
+                scores=z.get("scores"),
+                positives=z.get("positives"),
+            )
+
+
+def mine_and_publish(
+    root: str | Path,
+    version: int,
+    ranking: Ranking,
+    ts: TrainingSet,
+    cfg: RefreshConfig,
+    *,
+    seed: int,
+    step: int,
+    source: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Mine ``ranking`` with ``cfg``'s settings and ``seed`` and publish it as ``version``
+    under the negatives folder ``root`` (trained on from ``step``). The manifest's meta is
+    ``source`` (e.g. ``{"source": "bm25", "analyzer": ...}``), the data's fingerprint, the
+    mining settings, the false-negative filter's counts (a ranking with scores), ``extra``
+    and the timings (``mine_s`` added). Returns (manifest, filter counts or None)."""
+    timings = dict(timings or {})
+    t0 = time.perf_counter()
+    ids, filtered = ranking.ids, None
+    if cfg.max_score_ratio > 0 and ranking.scores is not None and ranking.positives is not None:
+        ids, dropped = drop_likely_positives(
+            ids,
+            ranking.scores,
+            min_per_query(ranking.positives, ts.positives),
+            cfg.max_score_ratio,
+        )
+        filtered = {
+            "dropped": int(dropped.sum()),
+            "queries_with_drops": int((dropped > 0).sum()),
+            "mean_per_query": round(float(dropped.mean()), 3),
+        }
+    negatives = mine(
+        ids,
+        ts.positives,
+        cfg.num_negatives,
+        strategy=cfg.strategy,
+        skip_top=cfg.skip_top,
+        seed=seed,
+        num_passages=ts.num_passages,
+    )
+    timings["mine_s"] = timings.get("mine_s", 0.0) + time.perf_counter() - t0
+    meta: dict[str, Any] = {**source, "data": ts.fingerprint(), "settings": mining_settings(cfg)}
+    if ranking.scores is not None:
+        meta["false_negative_filter"] = filtered
+    meta.update(extra or {})
+    meta["timings"] = {k: round(v, 3) for k, v in timings.items()}
+    handoff.publish(root, version, negatives, step=step, meta=meta, keep_last=cfg.keep_last)
+    manifest = json.loads(handoff.manifest_file(Path(root), version).read_text())
+    return manifest, filtered
