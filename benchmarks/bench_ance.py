@@ -146,10 +146,10 @@ def bench_trainer(args, scratch: Path) -> list[dict]:
     results = []
     for name, extra in (
         ("no refresher (baseline)", ["--refresher", "none"]),
-        ("concurrent local refresher", ["--refresher", "local", "--refresher_device", "cpu"]),
+        ("concurrent local refresher", ["--refresher", "local", "--refresh.device", "cpu"]),
         (
             "concurrent local refresher, 1 thread",
-            ["--refresher", "local", "--refresher_device", "cpu", "--refresh.threads", "1"],
+            ["--refresher", "local", "--refresh.device", "cpu", "--refresh.threads", "1"],
         ),
     ):
         run = scratch / name.replace(" ", "_").replace(",", "")

@@ -10,7 +10,7 @@ with ANCE negatives, several seeds, against BM25 and the un-fine-tuned model.
    batches and settings: ``bm25`` trains on BM25 negatives throughout; ``ance`` starts a local
    asynchronous refresher that mines negatives with the initial encoder before step 1
    (``negatives.mine_first``) and then from every checkpoint (the false-negative filter
-   ``refresh.max_score_ratio`` is available and off: see ``RecipeConfig``). Both arms draw
+   ``refresh.mining.max_score_ratio`` is available and off: see ``RecipeConfig``). Both arms draw
    their negatives from the top 30 of their ranking. Pooling, normalisation and temperature are the init's own
    (``retromae_ds.sbert``: MiniLM is mean-pooled and normalised, so cosine / 0.05). The
    data is tokenized once (``out/prepared``) for every run, and the ANCE runs share an
@@ -42,7 +42,7 @@ from typing import Any
 
 from recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
 from recipes.report import compare
-from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 from retromae_ds.config import to_dict
 from retromae_ds.engine import DeepSpeedSettings
 from retromae_ds.finetune import (
@@ -165,7 +165,6 @@ class Recipe:
             log_every=max(1, min(10, cfg.steps // 5)),
             progress=False,
             refresher="local" if ance else "none",
-            refresher_device="cpu",
             data=FinetuneDataConfig(
                 beir=str(self.beir),
                 split="train",
@@ -177,15 +176,18 @@ class Recipe:
             negatives=NegativesConfig(n_hard=cfg.n_hard, refresh_every=5, mine_first=ance),
             refresh=RefreshConfig(
                 run_dir=str(run),
-                top_k=cfg.top_k,
-                num_negatives=cfg.num_negatives,
-                max_score_ratio=cfg.max_score_ratio if ance else 0.0,
+                device="cpu",
+                mining=MiningConfig(
+                    top_k=cfg.top_k,
+                    num_negatives=cfg.num_negatives,
+                    max_score_ratio=cfg.max_score_ratio if ance else 0.0,
+                    seed=seed,
+                ),
                 threads=cfg.refresh_threads,
                 # the step-0 checkpoint is the init for every seed: encoded once
                 cache_dir=str(self.out / "embedding_cache"),
                 bf16=cfg.eval_bf16,
                 bf16_cpu=cfg.eval_bf16,
-                seed=seed,
                 progress=False,
             ),
             optim=OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio),

@@ -210,6 +210,7 @@ class Study:
             log_every=max(1, steps // 10),
             progress=False,
             data=DataConfig(shards=str(self.shards_dir(start))),
+            masking=MaskingConfig(encoder_ratio=cfg.mask_ratio),
             model=ModelConfig(
                 encoder=self.encoder_config(start),
                 objective=ObjectiveConfig(name=name, strong_decoder=strong),

@@ -109,33 +109,58 @@ def _note_renamed(old: str, new: str) -> None:
         print(f"note: {old} is now {new} (the old name still works)", file=sys.stderr)
 
 
-def apply_renamed(cls: type, data: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
+def apply_renamed(
+    cls: type, data: dict[str, Any], *, quiet: bool = False, saved: bool = False
+) -> dict[str, Any]:
     """``data`` (a nested mapping for ``cls``) with the old names in ``cls.RENAMED`` (``{old
-    dotted name: new dotted name}``, relative to ``cls``) moved to their new place; each old
-    name used is noted once per process on stderr (unless ``quiet``). Both names at once is
-    an error naming them."""
-    renames: dict[str, str] = getattr(cls, "RENAMED", {})
-    if not renames:
-        return data
+    dotted name: new dotted name}``, relative to ``cls``) and in its sections' ``RENAMED``
+    moved to their new place; each old name used is noted once per process on stderr (unless
+    ``quiet``). Both names at once is an error naming them, unless they hold the same value,
+    or ``saved``: a config a run saved lists every field, so an old run's file holds both,
+    and the old name is the one it ran with."""
     data = json.loads(json.dumps(data))
-    for old, new in renames.items():
-        holder, leaf = _parent_of(data, old)
-        if holder is None:
-            continue
-        if _parent_of(data, new)[0] is not None:
-            raise ValueError(f"{old} and {new} are one field (renamed): give only {new}")
-        data = merge_dotted(data, {new: holder.pop(leaf)})
-        if not quiet:
-            _note_renamed(old, new)
+    _rename(cls, data, quiet, saved, "")
     return data
 
 
-def renamed_key(cls: type, dotted: str) -> str:
-    """The current name of the dotted field (or section member) ``dotted`` of ``cls``."""
+def _rename(cls: type, data: dict[str, Any], quiet: bool, saved: bool, prefix: str) -> None:
+    """``apply_renamed`` in place, ``cls``'s sections included (``prefix``: where ``cls``
+    sits, for the note)."""
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        holder, leaf = _parent_of(data, old)
+        if holder is None:
+            continue
+        there, new_leaf = _parent_of(data, new)
+        if there is not None and not saved and there[new_leaf] != holder[leaf]:
+            raise ValueError(f"{old} and {new} are one field (renamed): give only {new}")
+        node = data
+        *parents, new_leaf = new.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[new_leaf] = holder.pop(leaf)
+        if not quiet:
+            _note_renamed(prefix + old, prefix + new)
+    if dataclasses.is_dataclass(cls):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]) and isinstance(data.get(f.name), dict):
+                _rename(hints[f.name], data[f.name], quiet, saved, f"{prefix}{f.name}.")
+
+
+def renamed_key(cls: type, dotted: str, prefix: str = "") -> str:
+    """The current name of the dotted field (or section member) ``dotted`` of ``cls``
+    (old names in the ``RENAMED`` of ``cls`` or of the sections it names)."""
     for old, new in getattr(cls, "RENAMED", {}).items():
         if dotted == old or dotted.startswith(old + "."):
-            _note_renamed(old, new)
+            _note_renamed(prefix + old, prefix + new)
             return new + dotted[len(old) :]
+    head, _, rest = dotted.partition(".")
+    if rest and dataclasses.is_dataclass(cls):
+        section = typing.get_type_hints(cls).get(head)
+        if _is_section(section):
+            inner = renamed_key(section, rest, f"{prefix}{head}.")
+            if inner != rest:
+                return f"{head}.{inner}"
     return dotted
 
 
@@ -435,6 +460,19 @@ OVERRIDE_SYNTAX = (
 )
 
 
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default ("off" for a flag) or "required", unless its
+    text already says which."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.required:
+            return f"{text} (required)"
+        return f"{text} (default: {'off' if action.nargs == 0 else '%(default)s'})"
+
+
 def make_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with ``--config FILE`` whose ``--help`` lists every field of ``cls``.
 
@@ -445,7 +483,7 @@ def make_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentP
         prog=prog,
         description=description,
         epilog=f"{OVERRIDE_SYNTAX}\n\n{help_text(cls)}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpWithDefaults,
         allow_abbrev=False,
     )
     parser.add_argument(

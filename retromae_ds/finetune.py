@@ -32,7 +32,7 @@ import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -116,7 +116,8 @@ NORMALIZED_TEMPERATURE = 0.05
 @dataclass(kw_only=True)
 class NegativesConfig:
     n_hard: int = 3
-    """Hard negatives per query in each batch (at most refresh.num_negatives are distinct)."""
+    """Hard negatives per query in each batch, drawn from the ``refresh.mining.num_negatives``
+    each version holds per query (at most that many are distinct)."""
     refresh_every: int = 50
     """Look for a newer negatives version every M steps."""
     mine_first: bool = False
@@ -146,16 +147,19 @@ class FinetuneConfig(RunConfig):
     """Where checkpoints, metrics, negatives and resolved configs go."""
     micro_batch_size: int = 16
     """Queries per rank per forward pass (each with 1 + n_hard passages)."""
+    RENAMED: ClassVar[dict[str, str]] = {"refresher_device": "refresh.device"}
+    """``refresher_device`` overrode ``refresh.device``; the section's field is the one."""
+
     refresher: str = resumable("none")
-    """none (a refresher runs elsewhere, or not at all) or local (start it as a subprocess)."""
-    refresher_device: str = resumable("auto")
-    """Device of a local refresher (cpu keeps a single GPU for the trainer)."""
+    """none (a refresher runs elsewhere, or not at all) or local (start it as a subprocess;
+    ``refresh.device cpu`` keeps a single GPU for the trainer)."""
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     model: DualModelConfig = field(default_factory=DualModelConfig)
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
-    """Mining settings (also used for the BM25 version) and a local refresher's settings; its
-    run_dir is ignored (the refresher serves this run)."""
+    """The refresher's settings, written to RUN/refresh_config.json for any refresher of this
+    run (a local one, a Slurm step), and ``refresh.mining``, with which the trainer mines the
+    BM25 version too. ``run_dir`` and ``parent_pid`` are the trainer's to fill in."""
     epochs: float = resumable(2.5)
     """Passes over the training queries when max_steps is 0 (the SciFact recipe's 100 steps
     of 16 queries are 2.4 passes over its 659)."""
@@ -171,6 +175,16 @@ class FinetuneConfig(RunConfig):
             raise ValueError("negatives.refresh_every must be >= 1")
         if self.refresher not in ("none", "local"):
             raise ValueError(f"refresher must be none or local, not {self.refresher!r}")
+        if (
+            self.refresh.run_dir
+            and Path(self.refresh.run_dir).resolve() != Path(self.run_dir).resolve()
+        ):
+            raise ValueError(
+                f"refresh.run_dir {self.refresh.run_dir!r} is not this run's folder "
+                f"{self.run_dir!r}: the refresher serves this run; leave refresh.run_dir out"
+            )
+        if self.refresh.parent_pid:
+            raise ValueError("refresh.parent_pid is the trainer's to set: leave it out")
 
 
 def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
@@ -181,7 +195,6 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
         "run_dir": str(layout.root),
         # the data this trainer prepared (``data.prepared``, else RUN/data)
         "data_dir": cfg.refresh.data_dir or str(Path(cfg.data.prepared or layout.data)),
-        "device": cfg.refresher_device,
         # --progress false: no bars anywhere in the run (a refresher's log is a file too)
         "progress": cfg.refresh.progress and cfg.progress,
     }

@@ -160,12 +160,12 @@ def test_false_negative_filter_by_hand():
 
 
 def test_refresh_config_refuses_bad_values_by_name():
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     with pytest.raises(ValueError, match="refresh.threads must be >= 0, got -1"):
         RefreshConfig(threads=-1)
     with pytest.raises(ValueError, match="max_score_ratio must be in"):
-        RefreshConfig(max_score_ratio=1.5)
+        MiningConfig(max_score_ratio=1.5)
 
 
 def test_top_strategy_skips_the_first_non_positives():
@@ -176,7 +176,7 @@ def test_top_strategy_skips_the_first_non_positives():
 
 def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(tmp_path / "data", beir, tokenizer_dir))
@@ -184,7 +184,9 @@ def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
     assert ts.num_passages < 80 and all(len(p) >= 1 for p in ts.positives)
     assert max(len(p) for p in ts.positives) == 2  # relevance 0 is not a positive
     manifest = publish_bm25(
-        RefreshConfig(num_negatives=4, progress=False), ts, tmp_path / "run" / "negatives"
+        RefreshConfig(mining=MiningConfig(num_negatives=4), progress=False),
+        ts,
+        tmp_path / "run" / "negatives",
     )
     assert manifest["version"] == 0 and manifest["step"] == 0 and manifest["source"] == "bm25"
     neg = load_current(tmp_path / "run" / "negatives")
@@ -395,9 +397,9 @@ def _refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
         "retromae_ds.ance.refresher",
         "--run_dir",
         str(run_dir),
-        "--num_negatives",
+        "--mining.num_negatives",
         "3",
-        "--top_k",
+        "--mining.top_k",
         "20",
         "--batch_size",
         "4",
@@ -414,12 +416,16 @@ def _refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     run = tmp_path / "run"
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(run / "data", beir, tokenizer_dir))
-    publish_bm25(RefreshConfig(num_negatives=3, progress=False), ts, RunLayout(run).negatives)
+    publish_bm25(
+        RefreshConfig(mining=MiningConfig(num_negatives=3), progress=False),
+        ts,
+        RunLayout(run).negatives,
+    )
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
     fake_checkpoint(run, 5, encoder)
     root = run / "negatives"
@@ -484,16 +490,20 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     import shutil
 
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     one, two = tmp_path / "one", tmp_path / "two"
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(one / "data", beir, tokenizer_dir))
-    publish_bm25(RefreshConfig(num_negatives=3, progress=False), ts, RunLayout(one).negatives)
+    publish_bm25(
+        RefreshConfig(mining=MiningConfig(num_negatives=3), progress=False),
+        ts,
+        RunLayout(one).negatives,
+    )
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir, seed=3)
     fake_checkpoint(one, 4, encoder)
     shutil.copytree(one, two)
-    strategy = ("--strategy", "top", "--max_versions", "1", "--max_score_ratio", "0.97")
+    strategy = ("--mining.strategy", "top", "--max_versions", "1", "--max_score_ratio", "0.97")
     single = subprocess.run(
         _refresh_cmd(one, *strategy), env=ENV, capture_output=True, text=True, timeout=180
     )
@@ -523,7 +533,7 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
     entry is reported and recomputed, never used."""
     from retromae_ds.ance import refresher
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     data = prepared_set(tmp_path / "data", beir, tokenizer_dir)
@@ -543,8 +553,7 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
         cfg = RefreshConfig(
             run_dir=str(run),
             data_dir=str(data),
-            top_k=10,
-            num_negatives=3,
+            mining=MiningConfig(top_k=10, num_negatives=3),
             batch_size=8,
             device="cpu",
             cache_dir=str(cache_dir),
@@ -597,7 +606,7 @@ def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
     the one an uninterrupted refresher publishes."""
     from retromae_ds.ance import publish, refresher
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     data = prepared_set(tmp_path / "data", beir, tokenizer_dir)
@@ -616,8 +625,8 @@ def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
     def setup(name: str) -> tuple[RefreshConfig, Path]:
         run = tmp_path / name
         cfg = RefreshConfig(
-            run_dir=str(run), data_dir=str(data), top_k=10, num_negatives=3, batch_size=8,
-            device="cpu", max_score_ratio=0.99, progress=False,
+            run_dir=str(run), data_dir=str(data), batch_size=8, device="cpu", progress=False,
+            mining=MiningConfig(top_k=10, num_negatives=3, max_score_ratio=0.99),
         )  # fmt: skip
         publish_bm25(cfg, ts, RunLayout(run).negatives)
         return cfg, fake_checkpoint(run, 4, encoder)

@@ -327,6 +327,54 @@ def test_a_renamed_field_is_read_under_its_old_name_with_one_note(tmp_path, caps
         check_resume_config(cfg, run_config)
 
 
+def test_mining_settings_have_their_own_section_and_the_old_names_still_work(tmp_path, capsys):
+    """Issue 29: the mining settings are ``MiningConfig`` (``refresh.mining.*`` for the trainer,
+    ``mining.*`` for the refresher) and ``refresh.device`` is the refresher's one device
+    (``refresher_device`` overrode it). The old names work on the command line, in a file
+    (an old trainer's refresh_config.json) and in a saved run's config (which holds both
+    device fields: the old one is what ran); the trainer refuses a refresh.run_dir that is
+    not its own."""
+    import retromae_ds.config as config
+    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.config import build_config, to_dict
+    from retromae_ds.finetune import FinetuneConfig
+    from retromae_ds.training.loop import check_resume_config
+
+    config._NOTED.clear()
+    refresh = build_config(RefreshConfig, None, ["--top_k", "20", "--mining.num_negatives", "5"])
+    assert (refresh.mining.top_k, refresh.mining.num_negatives) == (20, 5)
+    assert "top_k is now mining.top_k" in capsys.readouterr().err
+    old_file = tmp_path / "refresh_config.json"  # as an old trainer wrote it: flat
+    old_file.write_text(json.dumps({"run_dir": "r", "skip_top": 2, "seed": 7, "device": "cpu"}))
+    refresh = build_config(RefreshConfig, old_file, [])
+    assert (refresh.mining.skip_top, refresh.mining.seed, refresh.device) == (2, 7, "cpu")
+
+    need = ["--data.beir", "b", "--model.init", "m", "--run_dir", str(tmp_path / "run")]
+    ft = build_config(FinetuneConfig, None, [*need, "--refresher_device", "cpu",
+                                             "--refresh.top_k", "30"])  # fmt: skip
+    assert (ft.refresh.device, ft.refresh.mining.top_k) == ("cpu", 30)
+    err = capsys.readouterr().err
+    assert "refresher_device is now refresh.device" in err
+    assert "refresh.top_k is now refresh.mining.top_k" in err
+    with pytest.raises(ValueError, match="refresh.run_dir .* is not this run's folder"):
+        build_config(FinetuneConfig, None, [*need, "--refresh.run_dir", str(tmp_path / "x")])
+    same = build_config(FinetuneConfig, None, [*need, "--refresh.run_dir", str(tmp_path / "run")])
+    assert same.refresh.run_dir == str(tmp_path / "run")  # the recipes used to write it
+    with pytest.raises(ValueError, match="refresh.parent_pid is the trainer's"):
+        build_config(FinetuneConfig, None, [*need, "--refresh.parent_pid", "12"])
+
+    saved = to_dict(ft)  # an old run's config.json: both device fields, flat mining fields
+    saved["refresher_device"] = "cpu"
+    saved["refresh"]["device"] = "auto"
+    saved["refresh"].update(saved["refresh"].pop("mining"))
+    run_config = tmp_path / "config.json"
+    run_config.write_text(json.dumps(saved))
+    check_resume_config(ft, run_config)  # same settings under the new names: resumes
+    with pytest.raises(ValueError, match=r"refresh.mining.top_k \(30 -> 40\)"):
+        ft.refresh.mining.top_k = 40
+        check_resume_config(ft, run_config)
+
+
 def test_objective_decoder_ratio_is_a_share():
     from retromae_ds.modeling.pretrain import ObjectiveConfig
 

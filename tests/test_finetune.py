@@ -66,7 +66,7 @@ def test_two_ranks_without_refresher_swap_at_a_step_boundary_and_exact_resume(
     common = [
         "--data.beir", str(beir), "--model.init", str(encoder),
         "--data.q_max_len", "16", "--data.p_max_len", "32",
-        "--micro_batch_size", "3", "--negatives.n_hard", "2", "--refresh.num_negatives", "3",
+        "--micro_batch_size", "3", "--negatives.n_hard", "2", "--refresh.mining.num_negatives", "3",
         "--max_steps", "6", "--log_every", "1", "--negatives.refresh_every", "5",
         "--optim.lr", "1e-3", "--optim.warmup_steps", "1",
         "--deepspeed.config", '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
@@ -137,8 +137,8 @@ def test_finetune_with_local_refresher_beats_the_untuned_model_on_scifact(
         "--micro_batch_size", "16", "--negatives.n_hard", "1", "--max_steps", "20",
         "--optim.lr", "3e-5", "--optim.warmup_steps", "3", "--log_every", "5",
         "--checkpoint.every_steps", "6", "--checkpoint.keep_last", "2",
-        "--negatives.refresh_every", "2", "--refresher", "local", "--refresher_device", "cpu",
-        "--refresh.poll_s", "0.5", "--refresh.batch_size", "64", "--refresh.num_negatives", "4",
+        "--negatives.refresh_every", "2", "--refresher", "local", "--refresh.device", "cpu",
+        "--refresh.poll_s", "0.5", "--refresh.batch_size", "64", "--refresh.mining.num_negatives", "4",
         "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
     )  # fmt: skip
     rows = metrics(run)
@@ -163,13 +163,13 @@ def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
     common = [
         "--data.beir", str(beir), "--model.init", str(encoder),
         "--data.q_max_len", "16", "--data.p_max_len", "32",
-        "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.num_negatives", "3",
+        "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.mining.num_negatives", "3",
         "--max_steps", "4", "--log_every", "1", "--negatives.mine_first", "true",
         "--optim.lr", "1e-3", "--optim.warmup_steps", "1",
         "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
     ]  # fmt: skip
     run = tmp_path / "run"
-    finetune(run, *common, "--refresher", "local", "--refresher_device", "cpu",
+    finetune(run, *common, "--refresher", "local", "--refresh.device", "cpu",
              "--refresh.poll_s", "0.2", "--refresh.progress", "false",
              "--refresh.threads", "1")  # fmt: skip
     rows = metrics(run)

@@ -190,7 +190,7 @@ def test_finetune_verifies_its_init_checkpoint(run, beir, tmp_path):
     common = [
         "--data.beir", str(beir), "--data.split", "train", "--data.q_max_len", "16",
         "--data.p_max_len", "32", "--micro_batch_size", "2", "--negatives.n_hard", "1",
-        "--refresh.num_negatives", "2", "--max_steps", "1", "--log_every", "1",
+        "--refresh.mining.num_negatives", "2", "--max_steps", "1", "--log_every", "1",
     ]  # fmt: skip
     bad = _cli("retromae_ds.finetune", "--run_dir", str(tmp_path / "ft_bad"),
                "--model.init", str(step4), *common)  # fmt: skip

@@ -29,8 +29,8 @@ from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 FINETUNE_COMMON = [
     "--progress", "false",
     "--data.q_max_len", "16", "--data.p_max_len", "32",
-    "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.num_negatives", "3",
-    "--refresh.top_k", "20", "--refresh.batch_size", "16", "--refresh.poll_s", "0.2",
+    "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.mining.num_negatives", "3",
+    "--refresh.mining.top_k", "20", "--refresh.batch_size", "16", "--refresh.poll_s", "0.2",
     "--log_every", "1", "--optim.lr", "1e-3", "--optim.warmup_steps", "1",
     "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
 ]  # fmt: skip
@@ -57,7 +57,7 @@ def _refresh_cmd(run: Path, *extra: str) -> list[str]:
     """``retromae-ds refresh`` as a user types it (through the command-line entry point)."""
     return [
         sys.executable, "-c", "import sys; from retromae_ds.cli import main; sys.exit(main())",
-        "refresh", "--run_dir", str(run), "--num_negatives", "3", "--top_k", "20",
+        "refresh", "--run_dir", str(run), "--mining.num_negatives", "3", "--top_k", "20",
         "--batch_size", "16", "--poll_s", "0.2", "--progress", "false", "--device", "cpu",
         *extra,
     ]  # fmt: skip
@@ -122,7 +122,7 @@ def test_the_local_refresher_exits_when_its_trainer_is_killed(tmp_path, assets):
     run = tmp_path / "run"
     trainer = subprocess.Popen(
         _finetune_cmd(
-            run, assets, "--max_steps", "60", "--refresher", "local", "--refresher_device", "cpu"
+            run, assets, "--max_steps", "60", "--refresher", "local", "--refresh.device", "cpu"
         ),  # fmt: skip
         cwd=REPO,
         env={**ENV, **faults.env(sleep_after_step_s=0.5)},
@@ -155,11 +155,15 @@ def bm25_run(tmp_path_factory, tokenizer_dir, assets) -> Path:
     from test_ance import prepared_set
 
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     run = tmp_path_factory.mktemp("guard_bm25") / "run"
     ts = ance_data.load(prepared_set(run / "data", assets.beir, tokenizer_dir))
-    publish_bm25(RefreshConfig(num_negatives=3, progress=False), ts, RunLayout(run).negatives)
+    publish_bm25(
+        RefreshConfig(mining=MiningConfig(num_negatives=3), progress=False),
+        ts,
+        RunLayout(run).negatives,
+    )
     return run
 
 
@@ -303,7 +307,7 @@ def refresher_killed(tmp_path_factory, assets) -> SimpleNamespace:
             "10",
             "--refresher",
             "local",
-            "--refresher_device",
+            "--refresh.device",
             "cpu",
             "--negatives.refresh_every",
             "2",
@@ -402,7 +406,7 @@ def test_a_full_disk_under_negatives_fails_the_refresher_clearly_and_loses_nothi
         (run / "negatives").symlink_to(disk)
         root = RunLayout(run).negatives
         cmd = _finetune_cmd(
-            run, assets, "--max_steps", "24", "--refresher", "local", "--refresher_device", "cpu",
+            run, assets, "--max_steps", "24", "--refresher", "local", "--refresh.device", "cpu",
             "--negatives.refresh_every", "2", "--checkpoint.every_steps", "2",
             "--negatives.on_stale", "stop",
         )  # fmt: skip

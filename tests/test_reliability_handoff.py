@@ -37,13 +37,17 @@ def bm25_run(tmp_path_factory, tokenizer_dir) -> tuple[Path, ance_data.TrainingS
     from test_ance import prepared_set  # the same prepared folder as the refresher tests
 
     from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
     base = tmp_path_factory.mktemp("bm25_run")
     run = base / "run"
     beir = write_synthetic_beir(base / "beir")
     ts = ance_data.load(prepared_set(run / "data", beir, tokenizer_dir))
-    publish_bm25(RefreshConfig(num_negatives=3, progress=False), ts, RunLayout(run).negatives)
+    publish_bm25(
+        RefreshConfig(mining=MiningConfig(num_negatives=3), progress=False),
+        ts,
+        RunLayout(run).negatives,
+    )
     return run, ts
 
 

@@ -82,7 +82,7 @@ def _finetune(
         "--run_dir", str(run), "--progress", "false",
         "--data.beir", str(beir), "--model.init", str(init),
         "--data.q_max_len", "16", "--data.p_max_len", "32",
-        "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.num_negatives", "3",
+        "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.mining.num_negatives", "3",
         "--max_steps", "2", "--log_every", "1", "--optim.lr", "1e-3",
         "--deepspeed.config", json.dumps([f"ds_configs/{name}.json" for name in ds]), *extra,
     ]  # fmt: skip

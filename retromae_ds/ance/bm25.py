@@ -35,7 +35,7 @@ def bm25_rankings(
 
 def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[str, Any]:
     """Version 0 (or the next free one) under the negatives folder ``root``: BM25 top-K,
-    positives removed, n sampled with ``cfg``'s mining settings; returns its manifest."""
+    positives removed, n sampled with ``cfg.mining``; returns its manifest."""
     from retromae_ds.eval.beir import load_corpus, load_queries
 
     settings = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
@@ -47,15 +47,16 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
 
     passages = [text_of[d] for d in ts.passage_ids]
     ranked = bm25_rankings(
-        passages, [queries[q] for q in ts.query_ids], cfg.top_k, progress=cfg.progress
+        passages, [queries[q] for q in ts.query_ids], cfg.mining.top_k, progress=cfg.progress
     )
     manifest, _ = mine_and_publish(
         root,
         handoff.next_version(Path(root)),
         Ranking(ids=ranked),
         ts,
-        cfg,
-        seed=cfg.seed,
+        cfg.mining,
+        seed=cfg.mining.seed,
+        keep_last=cfg.keep_last,
         step=0,
         source={"source": "bm25", "analyzer": choose_analyzer(passages)},
         timings={"bm25_s": time.perf_counter() - t0},

@@ -24,7 +24,7 @@ import numpy as np
 from retromae_ds.ance import handoff
 from retromae_ds.ance.data import TrainingSet
 from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine
-from retromae_ds.ance.refresh_config import RefreshConfig, mining_settings
+from retromae_ds.ance.refresh_config import MiningConfig, mining_settings
 
 
 @dataclass(frozen=True)
@@ -63,16 +63,18 @@ def mine_and_publish(
     version: int,
     ranking: Ranking,
     ts: TrainingSet,
-    cfg: RefreshConfig,
+    cfg: MiningConfig,
     *,
     seed: int,
+    keep_last: int,
     step: int,
     source: dict[str, Any],
     extra: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Mine ``ranking`` with ``cfg``'s settings and ``seed`` and publish it as ``version``
-    under the negatives folder ``root`` (trained on from ``step``). The manifest's meta is
+    under the negatives folder ``root`` (trained on from ``step``; the newest ``keep_last``
+    versions kept, 0: all). The manifest's meta is
     ``source`` (e.g. ``{"source": "bm25", "analyzer": ...}``), the data's fingerprint, the
     mining settings, the false-negative filter's counts (a ranking with scores), ``extra``
     and the timings (``mine_s`` added). Returns (manifest, filter counts or None)."""
@@ -106,6 +108,6 @@ def mine_and_publish(
         meta["false_negative_filter"] = filtered
     meta.update(extra or {})
     meta["timings"] = {k: round(v, 3) for k, v in timings.items()}
-    handoff.publish(root, version, negatives, step=step, meta=meta, keep_last=cfg.keep_last)
+    handoff.publish(root, version, negatives, step=step, meta=meta, keep_last=keep_last)
     manifest = json.loads(handoff.manifest_file(Path(root), version).read_text())
     return manifest, filtered

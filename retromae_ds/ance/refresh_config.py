@@ -1,29 +1,30 @@
-"""Settings of hard-negative mining and of the asynchronous refresher (``RefreshConfig``).
+"""Settings of hard-negative mining (``MiningConfig``: what a negatives version holds) and of
+the asynchronous refresher process (``RefreshConfig``: where, how fast, when to stop, with its
+``mining`` section).
 
-Shared by the trainer (its ``refresh`` section; the BM25 version is mined with the same
-settings), the refresher process and the study, so it lives apart from all three.
+Shared by the trainer (its ``refresh`` section, whose ``mining`` the BM25 version is mined
+with too), the refresher process and the study, so it lives apart from all three.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from retromae_ds.ance.mining import STRATEGIES
 from retromae_ds.config import resumable
 
 
 @dataclass(kw_only=True)
-class RefreshConfig:
-    run_dir: str = resumable("")
-    """The trainer's run folder (checkpoints/ is read, negatives/ is written); the trainer
-    writes its own into the refresher's config file (refresh_config.json)."""
-    data_dir: str = ""
-    """The prepared training data (default RUN/data, written by the trainer)."""
+class MiningConfig:
+    """From a ranking to the negatives a version holds (``publish.mine_and_publish``); the
+    same for BM25's first version and every model-mined one, recorded in each manifest."""
+
     top_k: int = 200
     """Passages retrieved per training query before positives are removed."""
     num_negatives: int = 8
-    """Negatives written per query (the trainer uses n of them per step)."""
+    """Negatives written per query; the trainer draws its ``negatives.n_hard`` per step from
+    them (at most this many are distinct)."""
     strategy: str = "random"
     """``random``: n drawn from the top-K; ``top``: the n best ranked."""
     skip_top: int = 0
@@ -32,6 +33,38 @@ class RefreshConfig:
     """Drop candidates scoring above this fraction of the query's (lowest) positive score as
     likely unlabelled positives, e.g. 0.95 (0: off; model-mined versions only, BM25's v0 uses
     skip_top alone)."""
+    seed: int = 0
+    """Seeds the sampling of negatives (BM25's version uses seed, version N of a model
+    seed + N)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"mining.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
+        if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
+            raise ValueError("mining: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
+        if not 0 <= self.max_score_ratio <= 1:
+            raise ValueError(
+                f"mining.max_score_ratio must be in [0, 1], not {self.max_score_ratio}"
+            )
+
+
+MINING_FIELDS = ("top_k", "num_negatives", "strategy", "skip_top", "max_score_ratio", "seed")
+
+
+@dataclass(kw_only=True)
+class RefreshConfig:
+    """The refresher process (``retromae-ds refresh``; the trainer's ``refresh`` section)."""
+
+    RENAMED: ClassVar[dict[str, str]] = {name: f"mining.{name}" for name in MINING_FIELDS}
+    """The mining settings sat at the top of this section before they had their own."""
+
+    run_dir: str = resumable("")
+    """The trainer's run folder (checkpoints/ is read, negatives/ is written); the trainer
+    writes its own into the refresher's config file (refresh_config.json)."""
+    data_dir: str = ""
+    """The prepared training data (default RUN/data, written by the trainer)."""
+    mining: MiningConfig = field(default_factory=MiningConfig)
+    """What each version holds (also BM25's first version, which the trainer mines)."""
     index: str = "auto"
     """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
     batch_size: int = 128
@@ -63,8 +96,6 @@ class RefreshConfig:
     """Stop after this long without a new checkpoint (0: wait while the trainer runs)."""
     keep_last: int = 0
     """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
-    seed: int = 0
-    """Seeds the sampling of negatives (version N uses seed + N)."""
     progress: bool = resumable(True)
     """Show progress bars while encoding and searching."""
     timeout_s: int = 1800
@@ -75,23 +106,15 @@ class RefreshConfig:
     refresh_config.json, which other refreshers of the run read too."""
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"refresh.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
         if self.index not in ("auto", "faiss", "torch"):
             raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
         if self.parent_pid < 0:
             raise ValueError(f"refresh.parent_pid must be >= 0, got {self.parent_pid}")
         if self.threads < 0:
             raise ValueError(f"refresh.threads must be >= 0, got {self.threads}")
-        if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
-            raise ValueError("refresh: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
-        if not 0 <= self.max_score_ratio <= 1:
-            raise ValueError(
-                f"refresh.max_score_ratio must be in [0, 1], not {self.max_score_ratio}"
-            )
 
 
-def mining_settings(cfg: RefreshConfig) -> dict[str, Any]:
+def mining_settings(cfg: MiningConfig) -> dict[str, Any]:
     """The settings that decide which negatives a version holds (recorded in its manifest)."""
     return {
         "top_k": cfg.top_k,

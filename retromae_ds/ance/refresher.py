@@ -417,7 +417,7 @@ def search_stage(job: _Job, passages: np.ndarray, queries: np.ndarray, lo: int) 
     index.add(passages)
     timings["index_build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    k = min(cfg.top_k, max(1, len(passages)))
+    k = min(cfg.mining.top_k, max(1, len(passages)))
     scores_parts, ids_parts = [], []
     q_step = 4096
     for s in tqdm(
@@ -448,7 +448,7 @@ def merge_stage(job: _Job) -> Ranking:
     scores, ids, pos_scores = merged.scores, merged.ids, merged.positives
     for r in range(1, job.group.world):
         part = Ranking.load(job.part("topk", r).with_suffix(".npz"))
-        scores, ids = merge_topk(scores, ids, part.scores, part.ids, job.cfg.top_k)
+        scores, ids = merge_topk(scores, ids, part.scores, part.ids, job.cfg.mining.top_k)
         pos_scores = np.fmin(pos_scores, part.positives)
     ranking = Ranking(ids=ids, scores=scores, positives=pos_scores)
     path = job.work / RANKING
@@ -503,8 +503,9 @@ def refresh_once(
             version,
             ranking,
             ts,
-            cfg,
-            seed=cfg.seed + version,
+            cfg.mining,
+            seed=cfg.mining.seed + version,
+            keep_last=cfg.keep_last,
             step=step,
             source={"source": "model", "checkpoint": checkpoint.name},
             extra={"ranks": group.world, "embedding_cache": job.cached},

@@ -65,7 +65,7 @@ def check_resume_config(cfg: RunConfig, saved: Path) -> None:
     saved config predates while it holds its default (it then means what the old run did)."""
     if not saved.is_file():
         return  # a checkpoint from elsewhere: nothing to compare with
-    old = _flatten(apply_renamed(type(cfg), json.loads(saved.read_text()), quiet=True))
+    old = _flatten(apply_renamed(type(cfg), json.loads(saved.read_text()), quiet=True, saved=True))
     new = _flatten(to_dict(cfg))
     allowed = resume_may_change(type(cfg))
     defaults = flat_defaults(type(cfg))
