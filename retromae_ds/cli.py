@@ -1,23 +1,36 @@
-"""The ``retromae-ds`` command line: one entry point, one subcommand per job.
+"""The ``retromae-ds`` command line: one entry point, one subcommand per job; ``--help`` of
+each lists every option with its default.
 
-retromae-ds demo               the main job on the built-in corpus (README; recipes/demo.py)
+retromae-ds demo [--full]      the main job on the built-in corpus (README; recipes/demo.py,
+                               added through the ``retromae_ds.commands`` entry point)
 retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_shards.py)
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
 retromae-ds make-tokenizer     a BERT tokenizer folder from a vocab.txt (e.g. Chinese BERT)
 retromae-ds inspect DIR        summary of a shards folder
+retromae-ds pretrain ...       RetroMAE / SEED-Encoder / MLM pre-training (--config FILE, --a.b VALUE)
 retromae-ds finetune ...       ANCE dense-retrieval fine-tuning (--config FILE, --a.b VALUE)
 retromae-ds refresh ...        the asynchronous hard-negative refresher of a fine-tuning run
-"""
+retromae-ds eval ...           retrieval metrics of an encoder on a BEIR folder
+retromae-ds export CKPT OUT    an encoder as a Hugging Face (sentence-transformers) folder
+retromae-ds long-task ...      the long-document retrieval task from raw articles"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
 import sys
+from importlib.metadata import entry_points
 
+from retromae_ds.config import HelpWithDefaults
 from retromae_ds.errors import USER_ERRORS, run_reporting
+
+COMMANDS = "retromae_ds.commands"
+"""Entry-point group of the commands other packages add: each entry is a callable that adds
+its subparser (with ``func``) to the ``retromae-ds`` subparsers."""
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
@@ -71,7 +84,12 @@ def add_preprocess_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--segmenter-dict", default=None, help="a jieba dictionary replacing its own")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise")
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="a document that cannot be read or tokenized: stop naming it, or skip and count it",
+    )
     p.add_argument(
         "--num-tasks", type=int, default=1, help="split the work over T independent processes"
     )
@@ -82,17 +100,22 @@ def add_preprocess_args(p: argparse.ArgumentParser) -> None:
         help="this process's task (default: Slurm array index)",
     )
     p.add_argument("--merge", action="store_true", help="write the manifest over all tasks' shards")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--text-field", default="text", help="text field of JSON records")
     p.add_argument(
         "--title-field", default=None, help="prepended to the text (BEIR corpus: 'title')"
     )
     p.add_argument(
         "--id-field", default=None, help="document id field (default: _id or id when present)"
     )
-    p.add_argument("--title-sep", default=" ")
-    p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line")
+    p.add_argument("--title-sep", default=" ", help="between title and text")
+    p.add_argument(
+        "--txt-mode",
+        choices=("line", "paragraph"),
+        default="line",
+        help=".txt files: a document per line, or per blank-line-separated paragraph",
+    )
     p.add_argument("--split", default=None, help="split of a DatasetDict folder (default: train)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def preprocess_config_from_args(args: argparse.Namespace):
@@ -180,26 +203,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from recipes.demo import run_demo  # the experiment lives outside the library
-    from recipes.study_config import DEMO, DEMO_FULL
-
-    run_demo(
-        args.out or ("runs/demo_full" if args.full else "runs/demo"),
-        budget=DEMO_FULL if args.full else DEMO,
-        workers=args.workers,
-        max_docs=args.max_docs,
-        base_steps=args.base_steps,
-        steps=args.steps,
-        finetune_steps=args.finetune_steps,
-        seeds=args.seeds,
-        objectives=tuple(args.objectives),
-        beir=args.beir,
-        command=" ".join(["retromae-ds", *sys.argv[1:]]),
-    )
-    return 0
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from retromae_ds.export import export_encoder
 
@@ -228,7 +231,11 @@ def cmd_long_task(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="retromae-ds", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpWithDefaults),
+    )
 
     p = sub.add_parser("preprocess", help="raw text -> memory-mapped Arrow shards")
     add_preprocess_args(p)
@@ -239,33 +246,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vocab", required=True, help="vocab.txt, one token a line")
     p.add_argument("--out", required=True, help="tokenizer folder to write")
-    p.add_argument("--no-lowercase", dest="lowercase", action="store_false")
+    p.add_argument("--no-lowercase", dest="lowercase", action="store_false", help="keep case")
     p.add_argument(
         "--chinese",
         action="store_true",
         help="check that the vocabulary covers Han characters (BERT-Base Chinese)",
     )
-    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--max-length", type=int, default=512, help="model length incl. special tokens")
     p.set_defaults(func=cmd_make_tokenizer)
 
     p = sub.add_parser("train-tokenizer", help="train a WordPiece tokenizer on inputs")
-    p.add_argument("inputs", nargs="+")
-    p.add_argument("--out", required=True)
-    p.add_argument("--vocab-size", type=int, default=30522)
-    p.add_argument("--no-lowercase", dest="lowercase", action="store_false")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--title-field", default=None)
-    p.add_argument("--txt-mode", choices=("line", "paragraph"), default="line")
+    p.add_argument("inputs", nargs="+", help="files, globs or folders")
+    p.add_argument("--out", required=True, help="tokenizer folder to write")
+    p.add_argument("--vocab-size", type=int, default=30522, help="WordPiece entries")
+    p.add_argument("--no-lowercase", dest="lowercase", action="store_false", help="keep case")
+    p.add_argument("--text-field", default="text", help="text field of JSON records")
+    p.add_argument("--title-field", default=None, help="prepended to the text")
+    p.add_argument(
+        "--txt-mode", choices=("line", "paragraph"), default="line", help=".txt: line or paragraph"
+    )
     p.set_defaults(func=cmd_train_tokenizer)
 
     p = sub.add_parser("inspect", help="summary of a shards folder")
-    p.add_argument("folder")
+    p.add_argument("folder", help="a shards folder (manifest.json)")
     p.add_argument("--verify", action="store_true", help="check every shard's sha256")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("export", help="encoder of a checkpoint -> Hugging Face folder")
     p.add_argument("checkpoint", help="a complete checkpoint folder, or a run folder")
-    p.add_argument("out")
+    p.add_argument("out", help="the Hugging Face folder to write")
     p.add_argument(
         "--pooling",
         choices=("auto", "cls", "mean"),
@@ -294,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--deep-after", type=int, default=600, help="deep queries start after this many words"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the choice of deep sentences")
     p.set_defaults(func=cmd_long_task)
 
     # listed for --help; parsed in main() so that other commands do not import torch/faiss
@@ -303,45 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("finetune", help="ANCE fine-tuning on DeepSpeed (--config FILE, --a.b VALUE)")
     sub.add_parser("refresh", help="hard-negative refresher of a fine-tuning run (--run_dir RUN)")
 
-    from recipes.study_config import DEMO, DEMO_FULL  # no torch import
-
-    p = sub.add_parser("demo", help="the main job: the study's MLM-base protocol, built-in corpus")
-    p.add_argument(
-        "--full",
-        action="store_true",
-        help=f"the longer budget: {DEMO_FULL['steps']} continuation steps instead of "
-        f"{DEMO['steps']} (measured: docs/results.md); default --out runs/demo_full",
-    )
-    p.add_argument("--out", default=None, help="default runs/demo (--full: runs/demo_full)")
-    p.add_argument("--workers", type=int, default=2, help="tokenization processes")
-    for flag, key, what in (
-        ("--max-docs", "max_docs", "use the first N built-in documents (0: all)"),
-        ("--base-steps", "base_steps", "steps of the MLM base"),
-        ("--steps", "steps", "continued pre-training steps per objective"),
-        ("--finetune-steps", "finetune_steps", "fine-tuning steps"),
-    ):
-        p.add_argument(
-            flag,
-            type=int,
-            default=None,
-            help=f"{what} (default {DEMO[key]}; --full: {DEMO_FULL[key]})",
-        )
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2")
-    p.add_argument(
-        "--objectives",
-        nargs="+",
-        default=["none", "mlm", "retromae"],
-        help="none (the MLM base itself) and the continuations: mlm, retromae, seed, "
-        "seed_strong (default: none mlm retromae)",
-    )
-    p.add_argument(
-        "--beir",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="also evaluate every encoder on this BEIR folder (its test qrels; repeatable)",
-    )
-    p.set_defaults(func=cmd_demo)
+    # commands other packages add (entry-point group ``retromae_ds.commands``; this
+    # repository's recipes add ``demo``): the library never imports them by name
+    for ep in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
+        ep.load()(sub)
     return parser
 
 
@@ -362,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["eval"]:
         from retromae_ds.eval.run import add_eval_args, cmd_eval
 
-        parser = argparse.ArgumentParser(prog="retromae-ds eval")
+        parser = argparse.ArgumentParser(prog="retromae-ds eval", formatter_class=HelpWithDefaults)
         add_eval_args(parser)
         return _run(cmd_eval, parser.parse_args(argv[1:]), "eval")
     args = build_parser().parse_args(argv)

@@ -74,6 +74,11 @@ def test_wheel_ships_the_ds_configs_and_works_outside_the_repository(tmp_path):
     unpacked = tmp_path / "unpacked"
     with zipfile.ZipFile(wheel) as zf:
         assert "retromae_ds/ds_configs/zero2.json" in zf.namelist()
+        # the recipes' commands reach retromae-ds through an entry point, not an import
+        (entry_points,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        text = zf.read(entry_points).decode()
+        assert "[retromae_ds.commands]\ndemo = recipes.commands:add_demo" in text, text
+        assert "recipes/commands.py" in zf.namelist()
         zf.extractall(unpacked)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -309,7 +309,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
     p.add_argument("--out", default=None, help="write the results as JSON to this file")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:1, ...")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument(
         "--rerank",
         action="store_true",
