@@ -111,6 +111,7 @@ def run_demo(
         objectives=list(objectives),
         finetune_objectives={"bert": list(objectives)},
         vocab_size=budget["vocab_size"],
+        mask_ratio=budget["mask_ratio"],
         base_steps=base_steps,
         base_lr=budget["base_lr"],
         pretrain_steps={"bert": steps},

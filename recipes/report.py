@@ -20,7 +20,10 @@ from typing import Any
 from recipes.common import pyplot, save_figure
 from retromae_ds.fsutil import atomic_write_text
 
-OBJECTIVES = ("none", "mlm", "retromae", "seed", "seed_strong")
+ARMS = ("none", "mlm", "retromae", "seed", "seed_strong")
+"""A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
+``seed_strong`` (SEED-Encoder with a strong decoder); the pre-training objectives proper are
+``retromae_ds.modeling.pretrain.OBJECTIVES``."""
 STAGES = ("zero_shot", "bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 RERANK_MEASURES = ("rerank_map", "rerank_mrr@10")
@@ -82,7 +85,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _sorted(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = {o: i for i, o in enumerate(("bm25", *OBJECTIVES))}
+    order = {o: i for i, o in enumerate(("bm25", *ARMS))}
     stage_order = {s: i for i, s in enumerate(STAGES)}
     tasks = list(dict.fromkeys(a["task"] for a in agg))
     return sorted(
@@ -173,7 +176,7 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
     for ax, (task, start) in zip(axes[0], panels, strict=True):
         mine = [a for a in dense if a["task"] == task and a["start"] == start]
         stages = [s for s in STAGES if any(a["stage"] == s for a in mine)]
-        objectives = [o for o in OBJECTIVES if any(a["objective"] == o for a in mine)]
+        objectives = [o for o in ARMS if any(a["objective"] == o for a in mine)]
         width = 0.8 / max(1, len(objectives))
         for k, obj in enumerate(objectives):
             xs, ys, es = [], [], []
@@ -251,7 +254,7 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     fig, axes = plt.subplots(2, cols, figsize=(5.5 * cols, 8), squeeze=False)
     for col, (start, key) in enumerate(panels):
         ax = axes[0][col]
-        for objective in ("base", *OBJECTIVES):
+        for objective in ("base", *ARMS):
             c = data.get((start, objective, key))
             if not c:
                 continue
@@ -334,7 +337,7 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
                             f"{NAMES[m]}{ratio(a, b, m)}: {compare(a, b, m)} "
                             f"({who}: {x} > {y})"
                         )
-        for objective in OBJECTIVES:
+        for objective in ARMS:
             a = by_key.get((task, start, objective, "ance", pooling))
             b = by_key.get((task, start, objective, "bm25", pooling))
             if a and b:

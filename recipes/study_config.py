@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.report import OBJECTIVES, STAGES
+from recipes.report import ARMS, STAGES
 from retromae_ds.data.segment import SEGMENTERS
 
 STARTS = ("scratch", "minilm", "bert")
@@ -44,7 +44,7 @@ class StudyConfig:
     """Starting points: ``scratch`` (random init), ``minilm`` (all-MiniLM-L6-v2, already a
     contrastively trained embedder), ``bert`` (an MLM base pre-trained here first, once, then
     continued by every objective: the RetroMAE report's setting, chinese-bert -> RetroMAE)."""
-    objectives: list[str] = field(default_factory=lambda: list(OBJECTIVES))
+    objectives: list[str] = field(default_factory=lambda: list(ARMS))
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     finetune_objectives: dict[str, list[str]] = field(
         default_factory=lambda: {
@@ -109,6 +109,9 @@ class StudyConfig:
     base_lr: float = 1e-3
     base_mask_ratio: float = 0.15
     """Masked share of words in the MLM base (BERT's 15 %)."""
+    mask_ratio: float = 0.3
+    """Masked share of words in the encoder's input of every continuation (MLM's and
+    RetroMAE's/SEED's encoder alike: only the objective differs between arms)."""
     base_seed: int = 0
     curve_every: dict[str, int] = field(default_factory=dict)
     """Per start: evaluate zero-shot every N pre-training steps (the curve of nDCG@10 against
@@ -140,13 +143,11 @@ class StudyConfig:
         self.finetune_beir = self.finetune_beir or str(data / "scifact")
         if self.eval_bf16 is None:
             self.eval_bf16 = _bf16_available(self.device)
-        bad = [o for o in self.objectives if o not in OBJECTIVES]
+        bad = [o for o in self.objectives if o not in ARMS]
         bad += [s for s in self.stages if s not in STAGES]
         bad += [s for s in self.starts if s not in STARTS]
         bad += [p for p in self.poolings if p not in ("cls", "mean")]
-        bad += [
-            o for objs in self.finetune_objectives.values() for o in objs if o not in OBJECTIVES
-        ]
+        bad += [o for objs in self.finetune_objectives.values() for o in objs if o not in ARMS]
         bad += [p for p in self.precision.values() if p not in ("fp32", "bf16")]
         bad += [] if self.device in ("cpu", "auto") else [self.device]
         bad += [] if self.segmenter in SEGMENTERS else [self.segmenter]
@@ -199,6 +200,7 @@ DEMO = {
     "curve_points": 6,
     "finetune_steps": 30,
     "vocab_size": 4000,
+    "mask_ratio": 0.3,
 }
 """The main job's budget (``recipes.demo``; measured time and the knob table that chose the
 continuations' learning rate and batch: docs/results.md)."""
@@ -219,7 +221,7 @@ def bert_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     ``overrides`` are further StudyConfig fields."""
     settings: dict[str, Any] = dict(
         starts=["bert"],
-        objectives=list(OBJECTIVES),
+        objectives=list(ARMS),
         stages=["zero_shot", "bm25"],
         finetune_objectives={"bert": ["none", "mlm", "retromae", "seed"]},
         seeds=[0, 1, 2],
