@@ -41,7 +41,7 @@ def bench_encoding(args, scratch: Path) -> list[common.Measurement]:
 
     from retromae_ds.ance import data as ance_data
     from retromae_ds.ance.model import load_body
-    from retromae_ds.ance.refresher import encode_rows
+    from retromae_ds.ance.stages import encode_rows
     from retromae_ds.eval.beir import load_corpus
     from retromae_ds.eval.encode import HFEncoder
 

@@ -531,7 +531,7 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
     """Two runs from byte-identical checkpoints: the second loads the first's embeddings
     instead of encoding and mines the same negatives; another encoder misses; a damaged
     entry is reported and recomputed, never used."""
-    from retromae_ds.ance import refresher
+    from retromae_ds.ance import refresher, stages
     from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
@@ -542,7 +542,7 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
     same = write_tiny_encoder(tmp_path / "enc_a", tokenizer_dir, seed=1)
     other = write_tiny_encoder(tmp_path / "enc_b", tokenizer_dir, seed=2)
     calls = []
-    real_encode = refresher.encode_rows
+    real_encode = stages.encode_rows
 
     def counting(*args, **kwargs):
         calls.append(kwargs["desc"])
@@ -562,11 +562,11 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
         publish_bm25(cfg, ts, RunLayout(run).negatives)
         checkpoint = fake_checkpoint(run, 0, encoder)
         calls.clear()
-        manifest = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+        manifest = refresher.refresh_once(cfg, ts, checkpoint, 1, stages.Group(60))
         return manifest, load_current(run / "negatives"), list(calls)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(refresher, "encode_rows", counting)
+        patch.setattr(stages, "encode_rows", counting)
         first, neg_first, enc = mine_from("a", same)
         assert first["embedding_cache"] == {"passages": "miss", "queries": "miss"}
         assert enc == ["passages r0", "queries r0"]
@@ -604,7 +604,7 @@ def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
     publishing (a write error, injected into ``handoff.publish``) leaves the merged ranking
     there; the next one mines and publishes from it without encoding, and the version equals
     the one an uninterrupted refresher publishes."""
-    from retromae_ds.ance import publish, refresher
+    from retromae_ds.ance import publish, refresher, stages
     from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 
@@ -613,7 +613,7 @@ def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
     ts = ance_data.load(data)
     encoder = write_tiny_encoder(tmp_path / "enc", tokenizer_dir, seed=3)
     calls: list[str] = []
-    real_encode, real_publish = refresher.encode_rows, handoff.publish
+    real_encode, real_publish = stages.encode_rows, handoff.publish
 
     def counting(*args, **kwargs):
         calls.append(kwargs["desc"])
@@ -632,21 +632,21 @@ def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
         return cfg, fake_checkpoint(run, 4, encoder)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(refresher, "encode_rows", counting)
+        patch.setattr(stages, "encode_rows", counting)
         cfg, checkpoint = setup("straight")
-        straight = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+        straight = refresher.refresh_once(cfg, ts, checkpoint, 1, stages.Group(60))
 
         cfg, checkpoint = setup("broken")
         work = RunLayout(cfg.run_dir).negatives / ".work" / "v1"
         patch.setattr(publish.handoff, "publish", full_disk)
         with pytest.raises(handoff.NegativesWriteError):
-            refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
-        assert (work / refresher.RANKING).is_file()
+            refresher.refresh_once(cfg, ts, checkpoint, 1, stages.Group(60))
+        assert (work / stages.RANKING).is_file()
         assert handoff.published_versions(RunLayout(cfg.run_dir).negatives) == [0]
 
         patch.setattr(publish.handoff, "publish", real_publish)
         calls.clear()
-        resumed = refresher.refresh_once(cfg, ts, checkpoint, 1, refresher._Group(60))
+        resumed = refresher.refresh_once(cfg, ts, checkpoint, 1, stages.Group(60))
     assert calls == []  # nothing encoded again
     assert resumed["embedding_cache"] == {"passages": "ranked", "queries": "ranked"}
     assert not work.exists()
