@@ -52,8 +52,8 @@ def _one(args: argparse.Namespace) -> dict:
 
     from retromae_ds.data.collate import MaskingConfig, PretrainCollator
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-    from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
-    from retromae_ds.tokens import SpecialIds
+    from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
+    from retromae_ds.special_tokens import SpecialIds
 
     variant = VARIANTS[args.variant]
     device = torch.device(args.device)

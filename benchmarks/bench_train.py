@@ -42,8 +42,8 @@ def _imports(device: str):
     from retromae_ds import engine
     from retromae_ds.data.collate import MaskingConfig, PretrainCollator
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-    from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
-    from retromae_ds.tokens import SpecialIds
+    from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
+    from retromae_ds.special_tokens import SpecialIds
     from retromae_ds.training.config import OptimConfig
     from retromae_ds.training.optim import build_optimizer
 

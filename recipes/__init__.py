@@ -3,7 +3,7 @@
 ``recipes.study`` is the study of docs/results.md (``python scripts/study.py``),
 ``recipes.report`` turns its results into tables, verdicts and a plot, and ``recipes.demo`` is
 the README's main job (``retromae-ds demo``). They drive the library only through its public
-pieces: typed configs (``retromae_ds.train.TrainConfig``, ``retromae_ds.finetune.FinetuneConfig``)
-written as JSON and run with ``python -m retromae_ds.train --config FILE``, one process per
+pieces: typed configs (``retromae_ds.pretrain.TrainConfig``, ``retromae_ds.finetune.FinetuneConfig``)
+written as JSON and run with ``python -m retromae_ds.pretrain --config FILE``, one process per
 stage.
 """

@@ -77,7 +77,7 @@ def combined(name: str) -> dict[str, Any]:
 def _current(cfg: dict[str, Any]) -> dict[str, Any]:
     """A saved pre-training config with the fields renamed since under their new names."""
     from retromae_ds.config import apply_renamed
-    from retromae_ds.train import TrainConfig
+    from retromae_ds.pretrain import TrainConfig
 
     return apply_renamed(TrainConfig, cfg, quiet=True)
 
@@ -121,7 +121,7 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _fields() -> dict[str, Any]:
     from retromae_ds.config import flat_defaults
-    from retromae_ds.train import TrainConfig
+    from retromae_ds.pretrain import TrainConfig
 
     return flat_defaults(TrainConfig)
 
@@ -189,7 +189,7 @@ def run_knob(cfg: dict[str, Any], threads: int) -> float:
     t0 = time.perf_counter()
     with open(run.with_name(run.name + ".log"), "w", encoding="utf-8") as log:
         code = subprocess.run(
-            [sys.executable, "-m", "retromae_ds.train", "--config", str(path)],
+            [sys.executable, "-m", "retromae_ds.pretrain", "--config", str(path)],
             stdout=log, stderr=subprocess.STDOUT, env=env, check=False,
         ).returncode  # fmt: skip
     if code:  # reported in the table as stopped, with the curve it logged

@@ -23,7 +23,7 @@ from retromae_ds.fsutil import atomic_write_text
 ARMS = ("none", "mlm", "retromae", "seed", "seed_strong")
 """A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
 ``seed_strong`` (SEED-Encoder with a strong decoder); the pre-training objectives proper are
-``retromae_ds.modeling.pretrain.OBJECTIVES``."""
+``retromae_ds.modeling.objectives.OBJECTIVES``."""
 STAGES = ("zero_shot", "bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 RERANK_MEASURES = ("rerank_map", "rerank_mrr@10")

@@ -26,7 +26,7 @@ runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--ch
 The settings are ``recipes.study_config.StudyConfig`` (presets ``quick_config``,
 ``gpu_config``). Each training stage is a typed config (``Study.pretrain_config`` -> ``TrainConfig``,
 ``Study.finetune_config`` -> ``FinetuneConfig``) written as JSON into its cell and run as its
-own process (``python -m retromae_ds.train --config FILE``, resp. ``retromae_ds.finetune``), so
+own process (``python -m retromae_ds.pretrain --config FILE``, resp. ``retromae_ds.finetune``), so
 every cell gets a fresh DeepSpeed engine; every result JSON is written atomically and a rerun
 skips finished cells, so an interrupted study resumes. ``recipes.report`` turns the results
 into a Markdown table, a PNG plot and a short report. The README's main job
@@ -71,14 +71,14 @@ from retromae_ds.finetune import (
 from retromae_ds.hfutil import quiet_transformers
 from retromae_ds.layout import RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-from retromae_ds.modeling.pretrain import ObjectiveConfig
-from retromae_ds.train import DataConfig, ModelConfig, TrainConfig
+from retromae_ds.modeling.objectives import ObjectiveConfig
+from retromae_ds.pretrain import DataConfig, ModelConfig, TrainConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 
 
 # --------------------------------------------------------------------------- helpers
 def write_config(config: TrainConfig | FinetuneConfig, path: Path) -> Path:
-    """``config`` as the JSON file ``python -m retromae_ds.train --config FILE`` (resp.
+    """``config`` as the JSON file ``python -m retromae_ds.pretrain --config FILE`` (resp.
     ``retromae_ds.finetune``) reads, written atomically."""
     write_json(to_dict(config), path)
     return path
@@ -335,7 +335,7 @@ class Study:
         """Run one pre-training stage, export its encoder to ``encoder`` and summarise it in
         ``cell/pretrain.json`` (seconds, first/last log rows, tokens seen, the curve)."""
         t = time.perf_counter()
-        self._run_stage("retromae_ds.train", config, cell / "pretrain")
+        self._run_stage("retromae_ds.pretrain", config, cell / "pretrain")
         from retromae_ds.export import export_encoder
 
         export_encoder(config.run_dir, encoder)

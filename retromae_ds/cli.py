@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pretrain"]:  # free-form --section.field overrides: parsed by the trainer
-        from retromae_ds.train import main as pretrain_main
+        from retromae_ds.pretrain import main as pretrain_main
 
         return pretrain_main(argv[1:])
     if argv[:1] == ["finetune"]:

@@ -33,7 +33,7 @@
 # Stop and requeue protocol: Slurm sends USR1 to this batch shell (--signal=B:USR1@lead, or
 # `scancel --signal=USR1 --batch JOBID`); the shell forwards USR1 to srun, which delivers it
 # to every process of the step. The trainer finishes the current step on all ranks, writes a
-# complete checkpoint and exits 85 (retromae_ds.train.EXIT_REQUEUE); on 85 this script runs
+# complete checkpoint and exits 85 (retromae_ds.pretrain.EXIT_REQUEUE); on 85 this script runs
 # `scontrol requeue`, and the requeued job resumes from the checkpoint (--resume auto).
 # Any other non-zero status fails the job: srun --kill-on-bad-exit=1 ends every rank when one
 # dies, and --deepspeed.timeout_s bounds a collective waiting for a dead peer.
@@ -44,7 +44,7 @@
 #SBATCH --open-mode=append
 set -uo pipefail
 
-EXIT_REQUEUE=85 # retromae_ds.train.EXIT_REQUEUE
+EXIT_REQUEUE=85 # retromae_ds.pretrain.EXIT_REQUEUE
 
 CONFIG=${CONFIG:-}
 RUN_DIR=${RUN_DIR:-}
@@ -141,7 +141,7 @@ if [ "$LAUNCHER" = srun ]; then
   srun --nodes="$NNODES" --ntasks="$NTASKS" --cpus-per-task="$CPUS_PER_TASK" \
     --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/rank_%t.log" \
     bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
-      exec "$0" "$@"' "${PYTHON:-python}" -m retromae_ds.train "${trainer[@]}" &
+      exec "$0" "$@"' "${PYTHON:-python}" -m retromae_ds.pretrain "${trainer[@]}" &
 else
   # one deepspeed launcher per node (no ssh: --no_ssh with this node's rank); it starts the
   # node's ranks. The launchers ignore USR1, which srun delivers to every process of the step.
@@ -152,7 +152,7 @@ else
     --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/node_%n.log" \
     bash -c 'trap "" USR1; exec "${DEEPSPEED:-deepspeed}" --hostfile "$0" --no_ssh \
       --node_rank "$SLURM_NODEID" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-      --enable_each_rank_log "$1" --module retromae_ds.train "${@:2}"' \
+      --enable_each_rank_log "$1" --module retromae_ds.pretrain "${@:2}"' \
     "$HOSTFILE" "$LOG_DIR" "${trainer[@]}" &
 fi
 SRUN_PID=$!

@@ -1,4 +1,4 @@
-"""Pre-training as a user runs it: ``python -m retromae_ds.train`` (one process, torchrun or
+"""Pre-training as a user runs it: ``python -m retromae_ds.pretrain`` (one process, torchrun or
 the deepspeed launcher) on CPU, and its metrics log."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def pretrain(
         *overrides,
     ]
     if ranks == 1:
-        cmd = [sys.executable, "-m", "retromae_ds.train", *args]
+        cmd = [sys.executable, "-m", "retromae_ds.pretrain", *args]
     elif launcher == "deepspeed":
         cmd = [
             "deepspeed",
@@ -55,7 +55,7 @@ def pretrain(
             "--master_port",
             str(free_port()),
             "--module",
-            "retromae_ds.train",
+            "retromae_ds.pretrain",
             *args,
         ]
     else:
@@ -66,7 +66,7 @@ def pretrain(
             "--standalone",
             f"--nproc_per_node={ranks}",
             "-m",
-            "retromae_ds.train",
+            "retromae_ds.pretrain",
             *args,
         ]
     result = subprocess.run(

@@ -152,7 +152,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def job_processes(job_id: int, module: str = "retromae_ds.train", **env_match: str) -> list[int]:
+def job_processes(job_id: int, module: str = "retromae_ds.pretrain", **env_match: str) -> list[int]:
     """Pids of this machine's processes that belong to Slurm job ``job_id`` (by their
     environment), run ``module`` (found in their command line) and whose environment has
     every ``env_match`` entry."""

@@ -13,7 +13,7 @@ import pytest
 from retromae_ds.cli import build_parser, main
 
 CONFIG_COMMANDS = {
-    "pretrain": ("retromae_ds.train", "TrainConfig"),
+    "pretrain": ("retromae_ds.pretrain", "TrainConfig"),
     "finetune": ("retromae_ds.finetune", "FinetuneConfig"),
     "refresh": ("retromae_ds.ance.refresh_config", "RefreshConfig"),
 }
@@ -97,3 +97,22 @@ def test_argparse_commands_list_every_option_with_its_default(capsys, command):
         assert entry is not None, f"{command} --help lacks {action.option_strings}"
         text = " ".join(entry.split())
         assert "default" in text or "(required)" in text, f"{command}: {text}"
+
+
+def test_the_old_pretraining_module_name_still_runs():
+    """``retromae_ds.pretrain`` was ``retromae_ds.train``: a command line written before the
+    rename (a Slurm job requeued with its original script) still runs pre-training."""
+    import subprocess
+    import sys
+
+    from retromae_ds import pretrain, train
+
+    assert train.TrainConfig is pretrain.TrainConfig and train.main is pretrain.main
+    done = subprocess.run(
+        [sys.executable, "-m", "retromae_ds.train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "retromae-ds pretrain" in done.stdout and "--model.objective.name" in done.stdout

@@ -26,7 +26,7 @@ from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainColl
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.tokenizer import fingerprint
-from retromae_ds.tokens import IGNORE, SpecialIds
+from retromae_ds.special_tokens import IGNORE, SpecialIds
 
 from synthetic import synthetic_texts
 

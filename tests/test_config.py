@@ -19,7 +19,7 @@ from retromae_ds.config import (
     parse_overrides,
 )
 from retromae_ds.engine import build_ds_config
-from retromae_ds.train import TrainConfig
+from retromae_ds.pretrain import TrainConfig
 from retromae_ds.training.config import OptimConfig
 from retromae_ds.training.optim import lr_lambda
 
@@ -249,7 +249,7 @@ RESUMABLE_BEFORE = (
 def test_resumable_fields_are_the_list_the_loop_held():
     from retromae_ds.config import flat_defaults, resume_may_change
     from retromae_ds.finetune import FinetuneConfig
-    from retromae_ds.train import TrainConfig
+    from retromae_ds.pretrain import TrainConfig
 
     for cls in (TrainConfig, FinetuneConfig):
         keys = set(flat_defaults(cls)) | {"data.shards"}
@@ -264,7 +264,7 @@ def test_resume_accepts_a_field_added_since_at_its_default(tmp_path):
     """A run saved before a field existed resumes while the field holds its default (the old
     run's meaning), and refuses once it is set to anything else."""
     from retromae_ds.config import to_dict
-    from retromae_ds.train import DataConfig, TrainConfig
+    from retromae_ds.pretrain import DataConfig, TrainConfig
     from retromae_ds.training.loop import check_resume_config
 
     cfg = TrainConfig(data=DataConfig(shards="s"), max_steps=4)
@@ -291,7 +291,7 @@ def test_a_renamed_field_is_read_under_its_old_name_with_one_note(tmp_path, caps
     resumes, and refuses a different value under the new one."""
     import retromae_ds.config as config
     from retromae_ds.config import build_config, to_dict
-    from retromae_ds.train import TrainConfig
+    from retromae_ds.pretrain import TrainConfig
     from retromae_ds.training.loop import check_resume_config
 
     config._NOTED.clear()
@@ -376,7 +376,7 @@ def test_mining_settings_have_their_own_section_and_the_old_names_still_work(tmp
 
 
 def test_objective_decoder_ratio_is_a_share():
-    from retromae_ds.modeling.pretrain import ObjectiveConfig
+    from retromae_ds.modeling.objectives import ObjectiveConfig
 
     with pytest.raises(ValueError, match="objective.decoder_ratio"):
         ObjectiveConfig(decoder_ratio=-0.1)

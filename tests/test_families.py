@@ -14,7 +14,7 @@ import pytest
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.tokens import SpecialIds
+from retromae_ds.special_tokens import SpecialIds
 
 from synthetic import synthetic_texts
 
@@ -93,7 +93,7 @@ def test_roberta_checkpoint_pretrains(roberta, tmp_path):
         [
             sys.executable,
             "-m",
-            "retromae_ds.train",
+            "retromae_ds.pretrain",
             "--data.shards",
             str(shards),
             "--run_dir",

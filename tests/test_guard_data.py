@@ -147,7 +147,7 @@ def test_an_unreadable_shard_is_refused_by_inspect_and_before_training(corpus, t
         *prefix,
         sys.executable,
         "-m",
-        "retromae_ds.train",
+        "retromae_ds.pretrain",
         "--data.shards",
         str(out),
         "--run_dir",
@@ -248,7 +248,7 @@ def test_training_names_both_lengths_when_the_manifest_is_shorter(corpus, tmp_pa
     cmd = [
         sys.executable,
         "-m",
-        "retromae_ds.train",
+        "retromae_ds.pretrain",
         "--data.shards",
         str(out),
         "--run_dir",
@@ -267,7 +267,7 @@ def test_training_names_both_lengths_when_the_manifest_is_shorter(corpus, tmp_pa
 
 
 def test_training_names_both_lengths_when_data_max_length_is_shorter(corpus):
-    from retromae_ds.train import check_max_length
+    from retromae_ds.pretrain import check_max_length
 
     manifest = json.loads((corpus / "manifest.json").read_text())
     assert check_max_length(0, manifest, str(corpus)) == 32

@@ -67,7 +67,7 @@ def test_disk_full_while_saving_a_checkpoint_is_one_line_and_the_rerun_repeats_n
 
 
 def _train(run, shards) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "retromae_ds.train", "--data.shards", str(shards),
+    cmd = [sys.executable, "-m", "retromae_ds.pretrain", "--data.shards", str(shards),
            "--run_dir", str(run), "--max_steps", "4", "--progress", "false",
            "--model.encoder.name", "tiny", "--model.encoder.max_position_embeddings", "64"]  # fmt: skip
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)

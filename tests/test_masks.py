@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from retromae_ds.attention.rules import two_stream_visible_dense
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
 from retromae_ds.hashing import MASK32, hash3, mix32, threshold
-from retromae_ds.tokens import SpecialIds
+from retromae_ds.special_tokens import SpecialIds
 
 FEW = settings(max_examples=40, deadline=None)
 SOME = settings(max_examples=100, deadline=None)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 
 from helpers_model import batch_of, layer_norm
 

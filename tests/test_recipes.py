@@ -23,7 +23,7 @@ from recipes.study_config import (
 )
 from retromae_ds.config import build_config
 from retromae_ds.finetune import FinetuneConfig
-from retromae_ds.train import TrainConfig
+from retromae_ds.pretrain import TrainConfig
 
 PROTOCOLS = {
     "default": StudyConfig,
@@ -143,11 +143,11 @@ def test_a_stage_runs_as_its_own_process_on_its_config_file(tmp_path, monkeypatc
     study = _study("quick", tmp_path)
     config = study.pretrain_config("scratch", "mlm", 0)
     name = study.cell("scratch", "mlm", 0) / "pretrain"
-    study._run_stage("retromae_ds.train", config, name)
+    study._run_stage("retromae_ds.pretrain", config, name)
     path = name.with_name("pretrain_config.json")
     assert calls == [
         (
-            [sys.executable, "-m", "retromae_ds.train", "--config", str(path)],
+            [sys.executable, "-m", "retromae_ds.pretrain", "--config", str(path)],
             name.with_name("pretrain.log"),
         )
     ]

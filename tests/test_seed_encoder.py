@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from retromae_ds.attention.rules import window_visible_dense
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 
 from helpers_model import SPECIAL, batch_of, layer_norm
 

@@ -153,8 +153,8 @@ def test_export_round_trip_matches_training_time_embeddings(tmp_path, synthetic_
     from retromae_ds.data.dataset import ShardDataset
     from retromae_ds.export import export_encoder
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-    from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
-    from retromae_ds.tokens import SpecialIds
+    from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
+    from retromae_ds.special_tokens import SpecialIds
 
     run = tmp_path / "run"
     pretrain(run, synthetic_shards, "--max_steps", "3")
@@ -291,7 +291,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
     args = [
         sys.executable,
         "-m",
-        "retromae_ds.train",
+        "retromae_ds.pretrain",
         "--data.shards",
         str(synthetic_shards),
         "--run_dir",
@@ -361,7 +361,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 
 def test_stop_signals_are_validated(synthetic_shards):
     from retromae_ds.config import build_config
-    from retromae_ds.train import TrainConfig
+    from retromae_ds.pretrain import TrainConfig
     from retromae_ds.training.signals import signal_number
 
     assert signal_number("USR1") == signal_number("SIGUSR1")
@@ -561,7 +561,7 @@ def test_non_finite_loss_stops_the_run_without_saving(tmp_path, synthetic_shards
 
 
 def test_config_errors_are_one_line(tmp_path, synthetic_shards):
-    cmd = [sys.executable, "-m", "retromae_ds.train", "--data.shards", str(synthetic_shards),
+    cmd = [sys.executable, "-m", "retromae_ds.pretrain", "--data.shards", str(synthetic_shards),
            "--run_dir", str(tmp_path / "r"), "--max_steps", "2", "--optim.lrr", "1"]  # fmt: skip
     result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
@@ -626,7 +626,7 @@ def test_one_writer_per_run_folder(tmp_path, synthetic_shards):
             "--micro_batch_size", "8", "--optim.lr", "1e-3", "--optim.warmup_steps", "2",
             "--log_every", "1", "--max_steps", "6"]  # fmt: skip
     first = subprocess.Popen(
-        [sys.executable, "-m", "retromae_ds.train", *args],
+        [sys.executable, "-m", "retromae_ds.pretrain", *args],
         cwd=REPO,
         env={**ENV, **faults.env(sleep_after_step_s=1.0)},
         stdout=subprocess.DEVNULL,

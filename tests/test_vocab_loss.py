@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import RobertaConfig, RobertaForMaskedLM
 
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-from retromae_ds.modeling.pretrain import ObjectiveConfig, PretrainModel
+from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.vocab_loss import head_parts, linear_cross_entropy
 
 from helpers_model import SPECIAL, LargestTensor, batch_of

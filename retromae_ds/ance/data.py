@@ -23,7 +23,7 @@ import torch
 from retromae_ds.data import schema
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.fsutil import atomic_write_text
-from retromae_ds.tokens import SpecialIds
+from retromae_ds.special_tokens import SpecialIds
 
 READY = "READY"
 

@@ -40,7 +40,7 @@ from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
 from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
 from retromae_ds.layout import ENCODER, QUERY_ENCODER
-from retromae_ds.tokens import SpecialIds
+from retromae_ds.special_tokens import SpecialIds
 
 
 # --------------------------------------------------------------------------- encoding

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from retromae_ds.hashing import MASK32, hash3, row_seeds, threshold
-from retromae_ds.tokens import IGNORE, SpecialIds
+from retromae_ds.special_tokens import IGNORE, SpecialIds
 
 STREAM_WORDS, STREAM_REPLACE, STREAM_RANDOM, STREAM_DECODER = 1, 2, 3, 4
 

@@ -32,7 +32,7 @@ from retromae_ds.attention import TwoStreamSpec, WindowSpec
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import encode, mlm_head
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
-from retromae_ds.tokens import IGNORE
+from retromae_ds.special_tokens import IGNORE
 
 OBJECTIVES = ("retromae", "seed", "mlm")
 

@@ -1,0 +1,285 @@
+"""Pre-training: ``retromae-ds pretrain --config FILE [--section.field VALUE ...]``.
+
+Also ``python -m retromae_ds.pretrain``. Reads shards, builds the collator and the model
+(RetroMAE, SEED-Encoder or MLM) and trains them with the shared ``Trainer``
+(``retromae_ds.training``): DeepSpeed engine, checkpoints that resume exactly (a run stopped
+after step s and resumed, same world size, computes the same losses at every later step),
+stop signals -> checkpoint -> exit 85 for requeueing; with ``--eval.beir DIR`` it scores the
+encoder's zero-shot retrieval (CLS and mean pooling) every ``--eval.every`` steps into the log
+(``retromae_ds.eval.periodic``). Launch it as one process, with
+``torchrun``, the ``deepspeed`` launcher or ``srun``; rank and world size come from the
+environment.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from retromae_ds import engine as eng
+from retromae_ds.config import resumable
+from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
+from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
+from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
+from retromae_ds.eval.periodic import EvalConfig
+from retromae_ds.layout import ENCODER, RunLayout
+from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
+from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
+from retromae_ds.modeling.positions import usable_positions
+from retromae_ds.special_tokens import SpecialIds
+from retromae_ds.training.config import RunConfig
+from retromae_ds.training.lock import hold_run_folder
+from retromae_ds.training.loop import Hooks, Trainer, run_main, steps_for
+from retromae_ds.training.signals import StopSignals
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    shards: str = ""
+    """Folder written by ``retromae-ds preprocess``."""
+    max_length: int = 0
+    """Model sequence length; 0 = the shards' max length."""
+    num_workers: int = resumable(0)
+    """DataLoader worker processes (results do not depend on it)."""
+    length_grouping: int = 0
+    """Order each group of this many steps' samples by length (``LengthGroupedSampler``), so
+    a batch of long, uneven documents is not mostly padding; 0: the plain shuffled order."""
+
+    def __post_init__(self) -> None:
+        if self.length_grouping < 0:
+            raise ValueError(f"data.length_grouping must be >= 0, not {self.length_grouping}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+
+@dataclass(kw_only=True)
+class TrainConfig(RunConfig):
+    run_dir: str = resumable("runs/pretrain")
+    """Where checkpoints, metrics and resolved configs go."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    eval: EvalConfig = resumable(default_factory=EvalConfig)
+
+    RENAMED: ClassVar[dict[str, str]] = {"masking.decoder_ratio": "model.objective.decoder_ratio"}
+    """Old field names still accepted (files, command line, saved runs): old -> new."""
+
+    def __post_init__(self) -> None:
+        if not self.data.shards:
+            raise ValueError("data.shards is required (a folder written by retromae-ds preprocess)")
+        super().__post_init__()
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) pre-training; returns the final metrics row on every rank. Raises
+    StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
+    with StopSignals(cfg.stop_signals) as stop:  # from the start: a signal during set-up counts
+        dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
+        with hold_run_folder(RunLayout(cfg.run_dir), dist.rank):  # one writer per run folder
+            return _train(cfg, stop, dist)
+
+
+def check_max_length(requested: int, manifest: dict[str, Any], shards: str) -> int:
+    """The model sequence length: ``data.max_length``, or the manifest's when 0. Raises,
+    naming both lengths and where each comes from, when it cannot hold the shards' longest
+    row plus [CLS] and [SEP]."""
+    max_length = requested or manifest["max_length"]
+    rows = manifest["max_tokens_per_row"]
+    needed = rows + SPECIAL_TOKENS
+    if max_length >= needed:
+        return max_length
+    have = (
+        f"data.max_length {max_length}"
+        if requested
+        else f"max_length {max_length} in {Path(shards) / 'manifest.json'} (data.max_length 0)"
+    )
+    fix = (
+        f"set data.max_length to {needed} or more (0 takes the shards' own)"
+        if requested
+        else "the manifest's max_length and max_tokens_per_row disagree (edited or damaged): "
+        f"check it with retromae-ds inspect {shards} --verify, or set data.max_length {needed}"
+    )
+    raise ValueError(
+        f"{have} is shorter than the shards' samples: their rows hold up to {rows} tokens + "
+        f"{SPECIAL_TOKENS} special tokens = {needed} (max_tokens_per_row + [CLS], [SEP]); {fix}"
+    )
+
+
+def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+
+    # opening checks every shard is there, has its size and can be read: a shard this user
+    # cannot read stops the run here, naming it, before the engine is built
+    data = ShardDataset(cfg.data.shards)
+    manifest = data.manifest
+    max_length = check_max_length(cfg.data.max_length, manifest, cfg.data.shards)
+    special = SpecialIds.from_fingerprint(manifest["tokenizer"])
+    has_decoder = cfg.model.objective.name != "mlm"
+    collator = PretrainCollator(
+        special, cfg.masking, max_length, seed=cfg.seed, decoder=has_decoder
+    )
+    if cfg.data.length_grouping:
+        sampler = LengthGroupedSampler(
+            len(data),
+            dist.world_size,
+            dist.rank,
+            lengths=data.lengths_of,
+            block=cfg.micro_batch_size * dist.world_size,
+            group_blocks=cfg.data.length_grouping * cfg.grad_accum,
+            seed=cfg.seed,
+        )
+    else:
+        sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        IndexedSamples(data),
+        batch_size=cfg.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=cfg.data.num_workers,
+        # a private generator: creating an iterator must not consume the global torch RNG,
+        # or dropout would differ between an uninterrupted and a resumed run
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    steps_per_epoch = max(1, len(sampler) // (cfg.micro_batch_size * cfg.grad_accum))
+    max_steps = steps_for(cfg, steps_per_epoch)
+
+    folder = check_vocabulary(cfg.model.encoder, cfg.data.shards, manifest["tokenizer"])
+    encoder = build_encoder(cfg.model.encoder, special.vocab_size, special.pad, folder=folder)
+    if usable_positions(encoder) < max_length:
+        raise ValueError(
+            f"{cfg.model.encoder.name}: encoder has {usable_positions(encoder)} positions < "
+            f"max_length {max_length}; extend it with --model.encoder.max_positions {max_length}"
+        )
+    model = PretrainModel(encoder, cfg.model.objective)
+    trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
+    restored = trainer.resume()
+    trainer.start_log(
+        f"resumed from {restored.checkpoint} at step {restored.step}" if restored else None
+    )
+    tokenizer_dir = Path(cfg.data.shards) / "tokenizer"
+
+    def write_models(state: dict[str, torch.Tensor], staging: Path) -> None:
+        from retromae_ds.data.tokenizer import load_tokenizer
+
+        _write_encoder(model, state, staging / ENCODER)
+        tokenizer = load_tokenizer(tokenizer_dir)
+        # the tokenizer's own limit must not truncate what the (extended) encoder can read
+        tokenizer.model_max_length = usable_positions(encoder)
+        tokenizer.save_pretrained(str(staging / ENCODER))
+
+    metrics = ("loss", "mlm_loss", "mlm_accuracy") + (
+        ("decoder_loss", "decoder_accuracy") if has_decoder else ()
+    )
+    evaluate = _periodic_eval(cfg, trainer, model, tokenizer_dir) if cfg.eval.enabled else None
+    hooks = Hooks(
+        write_models=write_models,
+        metrics=metrics,
+        counts=lambda batch: {"tokens": int(batch["attention_mask"].sum())},
+        consumed=lambda batch: len(batch["sample_index"]),
+        marker=lambda: {"objective": cfg.model.objective.name},
+        evaluate=evaluate,
+        eval_every=cfg.eval.every,
+    )
+    return trainer.fit(_epochs(loader, sampler, collator), hooks)
+
+
+def _periodic_eval(
+    cfg: TrainConfig, trainer: Trainer, model: PretrainModel, tokenizer_dir: Path
+) -> Callable[[], dict[str, Any]]:
+    """The ``evaluate`` hook of ``eval``: rank 0 scores the encoder body on the sample."""
+    stage = trainer.ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage >= 3:
+        raise ValueError(
+            "eval.beir needs ZeRO stage <= 2 (rank 0 encodes alone, with whole parameters); "
+            "with ZeRO-3 evaluate the checkpoints with retromae-ds eval --model RUN_DIR"
+        )
+    if trainer.dist.rank != 0:
+        return lambda: {}
+    from retromae_ds.data.tokenizer import load_tokenizer
+    from retromae_ds.eval.periodic import PeriodicEval
+
+    evaluator = PeriodicEval(cfg.eval)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    trainer.note(evaluator.describe())
+    return lambda: evaluator(model.encoder.base_model, tokenizer)
+
+
+def check_vocabulary(
+    encoder: EncoderConfig, shards: str, shards_tokenizer: dict[str, Any]
+) -> Path | None:
+    """A local model folder must speak the shards' token ids: its tokenizer (when it ships
+    one) must have the shards' tokenizer fingerprint (vocabulary and special ids), and its
+    vocabulary size must be the shards' when it ships none. Presets take the shards' own.
+    Returns the folder checked (a run's newest verified encoder: ``resolve_encoder``), None
+    for a preset."""
+    from retromae_ds.checkpoint import resolve_encoder
+    from retromae_ds.hfutil import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
+
+    if not Path(encoder.name).is_dir():
+        return None
+    folder = resolve_encoder(encoder.name)
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
+
+        problems = fingerprint_mismatch(
+            shards_tokenizer, fingerprint(load_tokenizer_checked(folder))
+        )
+        if problems:
+            raise ValueError(
+                f"model.encoder.name {folder} and data.shards {shards} use different tokenizers "
+                f"({'; '.join(problems)}); preprocess with --tokenizer {folder}"
+            )
+        return folder
+    model_vocab = config_vocab_size(folder)
+    if model_vocab is not None and model_vocab != shards_tokenizer["vocab_size"]:
+        raise ValueError(
+            f"model.encoder.name {folder}: vocabulary of {model_vocab} tokens and no tokenizer "
+            f"to check, but data.shards {shards} were made with {shards_tokenizer['vocab_size']}"
+        )
+    return folder
+
+
+def _epochs(
+    loader: torch.utils.data.DataLoader,
+    sampler: ResumableDistributedSampler,
+    collator: PretrainCollator,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches across epochs; the collator learns each epoch before its iterator starts (the
+    sampler resumes mid-epoch at the next unseen sample)."""
+    while True:
+        collator.epoch = sampler.epoch
+        yield from loader
+
+
+def _write_encoder(module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    encoder_state = {
+        k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")
+    }
+    fresh = type(module.encoder)(module.encoder.config)
+    missing, unexpected = fresh.load_state_dict(encoder_state, strict=False)
+    fresh.tie_weights()
+    tied = {k for k in missing if k.endswith(("decoder.weight", "decoder.bias"))}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(
+            f"encoder export: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
+    fresh.save_pretrained(str(folder), safe_serialization=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(
+        TrainConfig, train, argv, prog="retromae-ds pretrain", description=__doc__.splitlines()[0]
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
