@@ -45,7 +45,7 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ValueError(f"{where}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, where)
+        return _build(tp, value, where)
     if origin in (list, tuple):
         (item,) = typing.get_args(tp)[:1] or (Any,)
         if isinstance(value, str):
@@ -166,8 +166,12 @@ def renamed_key(cls: type, dotted: str, prefix: str = "") -> str:
 
 def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     """Build dataclass ``cls`` from a (nested) mapping; unknown keys are an error (old names
-    in ``cls.RENAMED`` are accepted: ``apply_renamed``)."""
-    data = apply_renamed(cls, data)
+    in ``cls.RENAMED`` and its sections' are accepted: ``apply_renamed``)."""
+    return _build(cls, apply_renamed(cls, data), where)
+
+
+def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
+    """``from_dict`` of a mapping whose old names are already moved (sections included)."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - names)
@@ -251,7 +255,7 @@ def build_config(cls: type[T], file: str | Path | None, overrides: list[str]) ->
     """Config from an optional file plus command-line overrides (the latter win)."""
     data = apply_renamed(cls, load_file(file)) if file else {}
     given = {renamed_key(cls, k): v for k, v in parse_overrides(overrides).items()}
-    return from_dict(cls, merge_dotted(data, given))
+    return _build(cls, merge_dotted(data, given), "")
 
 
 def _class_docs(cls: type) -> tuple[str, dict[str, str]]:

@@ -59,8 +59,7 @@ from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.layout import RunLayout
 from retromae_ds.training.config import OptimConfig, RunConfig
-from retromae_ds.training.lock import hold_run_folder
-from retromae_ds.training.loop import Hooks, Trainer, run_main, steps_for
+from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
 from retromae_ds.training.signals import StopSignals
 
 
@@ -206,10 +205,7 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Run (or resume) fine-tuning; returns the last metrics row on every rank. Raises
     StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
-    with StopSignals(cfg.stop_signals) as stop:  # from the start: a signal during set-up counts
-        dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
-        with hold_run_folder(RunLayout(cfg.run_dir), dist.rank):  # one writer per run folder
-            return _finetune(cfg, stop, dist)
+    return run_guarded(cfg, lambda stop, dist: _finetune(cfg, stop, dist))
 
 
 def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:

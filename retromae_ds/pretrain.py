@@ -27,14 +27,13 @@ from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainColl
 from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
 from retromae_ds.eval.periodic import EvalConfig
-from retromae_ds.layout import ENCODER, RunLayout
+from retromae_ds.layout import ENCODER
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
 from retromae_ds.special_tokens import SpecialIds
 from retromae_ds.training.config import RunConfig
-from retromae_ds.training.lock import hold_run_folder
-from retromae_ds.training.loop import Hooks, Trainer, run_main, steps_for
+from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
 from retromae_ds.training.signals import StopSignals
 
 
@@ -82,10 +81,7 @@ class TrainConfig(RunConfig):
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) pre-training; returns the final metrics row on every rank. Raises
     StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
-    with StopSignals(cfg.stop_signals) as stop:  # from the start: a signal during set-up counts
-        dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
-        with hold_run_folder(RunLayout(cfg.run_dir), dist.rank):  # one writer per run folder
-            return _train(cfg, stop, dist)
+    return run_guarded(cfg, lambda stop, dist: _train(cfg, stop, dist))
 
 
 def check_max_length(requested: int, manifest: dict[str, Any], shards: str) -> int:

@@ -44,6 +44,7 @@ from retromae_ds.fsutil import atomic_write_json
 from retromae_ds.layout import RunLayout
 from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.training.config import RunConfig
+from retromae_ds.training.lock import hold_run_folder
 from retromae_ds.training.optim import build_optimizer, build_scheduler
 from retromae_ds.training.signals import EXIT_REQUEUE, StopRequested, StopSignals
 
@@ -397,6 +398,18 @@ class Trainer:
 def steps_for(cfg: RunConfig, steps_per_epoch: int) -> int:
     """``max_steps``, or the steps that ``epochs`` passes take."""
     return cfg.max_steps or math.ceil(cfg.epochs * steps_per_epoch)
+
+
+def run_guarded(
+    cfg: RunConfig, body: Callable[[StopSignals, eng.DistInfo], dict[str, Any]]
+) -> dict[str, Any]:
+    """``body(stop, dist)`` of a job (pre-training, fine-tuning): stop signals caught from the
+    start (a signal during set-up counts), the process group set up, and the run folder held
+    by this one writer (``training.lock``) while it runs."""
+    with StopSignals(cfg.stop_signals) as stop:
+        dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
+        with hold_run_folder(RunLayout(cfg.run_dir), dist.rank):
+            return body(stop, dist)
 
 
 def run_main(
