@@ -72,8 +72,9 @@ def _one(args: argparse.Namespace) -> dict:
         name=args.objective,
         head=variant.get("head", "chunked"),
         attention=variant.get("attention", "auto"),
+        decoder_ratio=0.5,
     )
-    model = PretrainModel(encoder, objective, 0.5).to(device).train()
+    model = PretrainModel(encoder, objective).to(device).train()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     model = model.to(dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

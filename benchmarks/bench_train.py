@@ -85,7 +85,9 @@ def build(size, objective, attention, length, device, M):
     ObjectiveConfig, PretrainModel = M[6][0], M[6][1]
     torch.manual_seed(0)
     encoder = build_encoder(EncoderConfig(name=size, max_position_embeddings=length), VOCAB, 0)
-    model = PretrainModel(encoder, ObjectiveConfig(name=objective, attention=attention), 0.5)
+    model = PretrainModel(
+        encoder, ObjectiveConfig(name=objective, attention=attention, decoder_ratio=0.5)
+    )
     return model.to(device)
 
 
@@ -172,7 +174,8 @@ def main() -> None:
     if args.device == "cuda" and args.dtype == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True
     M = _imports(args.device)
-    M[0].setup_distributed()
+    if not args.no_deepspeed:
+        M[0].setup_distributed()  # DeepSpeed's process group (the plain loop needs none)
     rows = []
     for size in args.sizes:
         for objective in args.objectives:
@@ -194,9 +197,13 @@ def main() -> None:
                 }
                 if not args.no_deepspeed:
                     model = build(size, objective, attn, args.length, args.device, M)
-                    t_ds = time_deepspeed(model, batches, args, M)
-                    row["deepspeed_tokens_per_s"] = tokens / t_ds
-                    row["deepspeed_over_torch"] = t_torch / t_ds
+                    try:
+                        t_ds = time_deepspeed(model, batches, args, M)
+                    except Exception as e:  # noqa: BLE001 - the row says why, the others still run
+                        row["deepspeed_error"] = f"{type(e).__name__}: {e}"[:200]
+                    else:
+                        row["deepspeed_tokens_per_s"] = tokens / t_ds
+                        row["deepspeed_over_torch"] = t_torch / t_ds
                 best = row.get("deepspeed_tokens_per_s", row["torch_tokens_per_s"])
                 if peak:
                     row["encoder_mfu"] = best * flops_tok / (peak * 1e12)
@@ -220,15 +227,19 @@ def main() -> None:
             (x for x in same if x["objective"] == r["objective"] and x["attention"] == "reference"),
             None,
         )
-        rel = f"{r[key] / mlm[key]:.2f}" if mlm else ""
+        have = key in r
+        rel = f"{r[key] / mlm[key]:.2f}" if have and mlm and key in mlm else ""
         vs_ref = (
-            f"{r[key] / ref[key]:.2f}" if ref and r["attention"] not in ("-", "reference") else ""
+            f"{r[key] / ref[key]:.2f}"
+            if have and ref and key in ref and r["attention"] not in ("-", "reference")
+            else ""
         )
         mfu = f"{100 * r['encoder_mfu']:.1f} %" if "encoder_mfu" in r else ""
         print(
             f"| {r['size']} | {r['objective']} | {r['attention']} | {r['torch_tokens_per_s']:,.0f} "
             f"| {r.get('deepspeed_tokens_per_s', 0):,.0f} | {r.get('deepspeed_over_torch', 0):.2f} "
             f"| {rel} | {vs_ref} | {mfu} |"
+            + (f" DeepSpeed failed: {r['deepspeed_error']}" if "deepspeed_error" in r else "")
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
