@@ -40,7 +40,11 @@ def mask_mod_for(spec: MaskSpec, L: int, device: torch.device):
             )
         row_hash = two_stream_row_hash(spec.seeds_B.to(device), L)
         words = spec.word_ids_BL.to(device).long().clamp_min(0)
-        cut = threshold(spec.ratio)
+        # The threshold travels as a tensor, like every other input of the rule, not as a
+        # Python int: on CUDA a changed int closure becomes a kernel argument once Dynamo
+        # makes it dynamic, and ratios >= 0.5 (thresholds >= 2**31) then kept the wrong keys
+        # (found by scripts/gpu_check.sh on an H200: flex vs reference, ratios 0.5 and 0.7).
+        cut = torch.tensor(threshold(spec.ratio), device=device, dtype=torch.long)
 
         def two_stream(b, h, q_idx, kv_idx):
             keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
