@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import sys
 import textwrap
 import types
@@ -504,3 +505,175 @@ def parse_config(
     values raise ValueError naming the field, as ``build_config`` does."""
     args, overrides = parser.parse_known_args(argv)
     return build_config(cls, args.config, overrides), args
+
+
+# ------------------------------------------------------------------- flag-style commands
+FLAG_KEY = "flag"
+
+
+def flag(
+    default: Any = _MISSING,
+    *,
+    default_factory: Any = _MISSING,
+    positional: bool = False,
+    nargs: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    negate: str | None = None,
+    parse: Any = None,
+    metavar: str | None = None,
+) -> Any:
+    """A field of a flag-style command's config (``retromae-ds preprocess``, ``eval``,
+    ``export``, ...) with how it reads on the command line: ``positional`` (with ``nargs``),
+    ``choices``, ``negate`` (the ``--no-...`` name of a field that defaults to true),
+    ``parse`` (a str -> value function such as ``parse_size``), ``metavar``. A field declared
+    with plain ``field``/a default reads as ``--name-with-hyphens VALUE``."""
+    shape = {
+        "positional": positional,
+        "nargs": nargs,
+        "choices": choices,
+        "negate": negate,
+        "parse": parse,
+        "metavar": metavar,
+    }
+    metadata = {FLAG_KEY: {k: v for k, v in shape.items() if v not in (None, False)}}
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _leaves(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any, Any]]:
+    """(dotted name, field, type, default or _MISSING) of every leaf field, sections flattened."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, default = hints[f.name], _default_of(f, None)
+        if _is_section(tp):
+            out += _leaves(tp, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f, tp, default))
+    return out
+
+
+def _optional_of(tp: Any) -> Any:
+    """``X`` for ``X | None``, else ``tp``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def flag_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a flag-style command whose settings are the fields of dataclass ``cls``
+    (sections flattened: a leaf's name is unique). Each option's help is the field's docstring
+    with its default or "required"; ``--config FILE`` reads the same fields from a YAML/JSON
+    mapping (nested as the dataclass is), and options given on the command line win. Parsed
+    values are those given explicitly (``parse_flags`` fills in the rest)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=HelpWithDefaults,
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML or JSON mapping of these settings (field names with '_', sections nested); "
+        "options on the command line win (default: none)",
+    )
+    docs: dict[str, str] = {}
+    for dotted, f, tp, default in _leaves(cls):
+        owner = cls
+        for part in dotted.split(".")[:-1]:
+            owner = typing.get_type_hints(owner)[part]
+        docs = field_docs(owner)
+        shape = f.metadata.get(FLAG_KEY, {})
+        text = " ".join(docs.get(f.name, "").split("\n\n")[0].split())
+        base = _optional_of(tp)
+        if default is _MISSING:
+            shown = "required"
+        elif base is bool and default is not None:
+            shown = "default: " + ("on; this flag turns it off" if default else "off")
+        else:
+            shown = f"default: {_show_value(default)}"
+        if "default" not in text:
+            text = f"{text} ({shown})" if text else f"({shown})"
+        kw: dict[str, Any] = {"help": text.replace("%", "%%")}
+        if shape.get("choices"):
+            kw["choices"] = shape["choices"]
+        if base is not bool and not shape.get("choices"):
+            kw["metavar"] = shape.get("metavar") or f.name.upper()
+        if shape.get("positional"):
+            kw["metavar"] = f.name
+            if shape.get("nargs"):
+                kw["nargs"] = shape["nargs"]
+            if typing.get_origin(base) is not list:
+                kw["type"] = shape.get("parse") or _scalar(base, f.name)
+            parser.add_argument(dotted, **kw)
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if base is bool and default is True:
+            parser.add_argument(
+                shape.get("negate") or "--no-" + f.name.replace("_", "-"),
+                dest=dotted,
+                action="store_false",
+                **kw,
+            )
+        elif base is bool and default is None:
+            parser.add_argument(name, dest=dotted, action=argparse.BooleanOptionalAction, **kw)
+        elif base is bool:
+            parser.add_argument(name, dest=dotted, action="store_true", **kw)
+        elif typing.get_origin(base) is list:
+            parser.add_argument(name, dest=dotted, nargs=shape.get("nargs", "+"), **kw)
+        else:
+            kw["type"] = shape.get("parse") or _scalar(base, f.name)
+            parser.add_argument(name, dest=dotted, **kw)
+    return parser
+
+
+def _scalar(tp: Any, name: str) -> Any:
+    if tp in (int, float, str):
+        return tp
+    raise TypeError(f"{name}: no command-line form for {tp}")
+
+
+def parse_flags(
+    cls: type[T], argv: list[str], *, prog: str, description: str
+) -> tuple[T, argparse.Namespace]:
+    """``cls`` from ``argv``: its defaults, then the ``--config`` file, then the options given.
+    A required field given nowhere, an unknown field in the file or a bad value is a
+    ValueError naming it."""
+    given = flag_parser(cls, prog=prog, description=description).parse_args(argv)
+    values = dict(vars(given))
+    file = values.pop("config", None)
+    data = apply_renamed(cls, load_file(file)) if file else {}
+    data = merge_dotted(data, values)
+    missing = []
+    for dotted, f, _tp, default in _leaves(cls):
+        node: Any = data
+        for part in dotted.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is _MISSING and default is _MISSING:
+            shape = f.metadata.get(FLAG_KEY, {})
+            missing.append(f.name if shape.get("positional") else "--" + f.name.replace("_", "-"))
+    if missing:
+        raise ValueError(
+            f"{prog}: required: {', '.join(missing)} (on the command line or in --config)"
+        )
+    return from_dict(cls, data), given
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64MB', '512KiB', '1G' or a plain byte count -> bytes (powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64MB, 512KB, 1000000)")
+    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[unit]
+    return int(float(m.group(1)) * scale)

@@ -32,12 +32,14 @@ import os
 import shutil
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from retromae_ds import checkpoint as ckpt
 from retromae_ds import sbert
+from retromae_ds.config import flag
 from retromae_ds.errors import disk_full_error
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_tokenizer_checked, quiet_transformers
@@ -302,3 +304,31 @@ def _write_export(
         "normalize": spec.normalize,
     }
     (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    """``retromae-ds export``: the encoder of a checkpoint as a Hugging Face folder."""
+
+    checkpoint: str = flag(positional=True)
+    """A complete checkpoint folder, or a run folder (its newest)."""
+    out: str = flag(positional=True)
+    """The Hugging Face folder to write."""
+    pooling: str = flag("auto", choices=("auto", "cls", "mean"))
+    """Sentence embedding (auto: the encoder's own, else cls)."""
+    normalize: bool | None = None
+    """L2-normalise embeddings (none: the encoder's own, else no)."""
+    overwrite: bool = False
+    """Replace a non-empty OUT that is not a previous export (never a run or checkpoint)."""
+
+
+def export_command(cfg: ExportConfig) -> int:
+    out = export_encoder(
+        cfg.checkpoint,
+        cfg.out,
+        pooling=cfg.pooling,
+        normalize=cfg.normalize,
+        overwrite=cfg.overwrite,
+    )
+    print(f"export: encoder -> {out}")
+    return 0

@@ -3,7 +3,6 @@ BEIR folder, and end to end on SciFact with a real model against a reference fig
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from retromae_ds.cli import main as cli_main
 from retromae_ds.eval.beir import load_beir, load_corpus, load_qrels, load_queries
 from retromae_ds.eval.encode import HFEncoder, encode_texts
-from retromae_ds.eval.run import add_eval_args, cmd_eval, evaluate_beir, retrieve
+from retromae_ds.eval.run import evaluate_beir, retrieve
 
 from synthetic import synthetic_texts
 
@@ -239,15 +239,11 @@ def test_a_run_folder_evaluates_its_newest_checkpoint_not_its_training_config(
 
 def test_cmd_eval_writes_json(tiny_model_dir, tmp_path):
     folder = write_beir(tmp_path / "ds")
-    parser = argparse.ArgumentParser()
-    add_eval_args(parser)
     out = tmp_path / "eval.json"
-    args = parser.parse_args(
-        ["--model", str(tiny_model_dir), "--beir", str(folder), "--pooling", "mean"]
-        + ["--normalize", "--max-length", "32", "--batch-size", "4", "--device", "cpu"]
-        + ["--out", str(out), "--no-progress"]
-    )
-    assert cmd_eval(args) == 0
+    argv = ["eval", "--model", str(tiny_model_dir), "--beir", str(folder), "--pooling", "mean"]
+    argv += ["--normalize", "--max-length", "32", "--batch-size", "4", "--device", "cpu"]
+    argv += ["--out", str(out), "--no-progress"]
+    assert cli_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["settings"]["pooling"] == "mean" and result["settings"]["dim"] == 32
     assert result["num_queries"] == 4 and set(result["metrics"]) == {

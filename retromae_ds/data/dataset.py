@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from retromae_ds.config import flag
 from retromae_ds.data import schema
 from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
 from retromae_ds.fsutil import sha256_file
@@ -407,3 +408,19 @@ class ShardDataset:
             "vocab_size": self.manifest["tokenizer"]["vocab_size"],
             "max_length": self.manifest["max_length"],
         }
+
+
+@dataclass(kw_only=True)
+class InspectConfig:
+    """``retromae-ds inspect``: the summary of a shards folder."""
+
+    folder: str = flag(positional=True)
+    """A shards folder (manifest.json)."""
+    verify: bool = False
+    """Check every shard's sha256."""
+
+
+def inspect_command(cfg: InspectConfig) -> int:
+    ds = ShardDataset(cfg.folder, verify=cfg.verify)
+    print(json.dumps(ds.summary(), indent=2))
+    return 0

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from retromae_ds.config import flag
 from retromae_ds.data.builtin_corpus import write_beir
 
 _TITLE = re.compile(r"^ = ([^=].*?) = $")
@@ -114,3 +115,27 @@ def build(
     tmp.write_text("query-id\tcorpus-id\tscore\n" + "".join(f"{q}\t{d}\t1\n" for q, d in deep))
     tmp.replace(out / "qrels" / "deep.tsv")
     return out
+
+
+@dataclass(kw_only=True)
+class LongTaskConfig:
+    """``retromae-ds long-task``: a long-document BEIR task from WikiText articles."""
+
+    raw: str = flag(positional=True)
+    """A WikiText wiki.*.raw file."""
+    out: str
+    """BEIR folder to write."""
+    min_words: int = 1000
+    """Shortest article kept."""
+    deep_after: int = 600
+    """Deep queries start after this many words."""
+    seed: int = 0
+    """Seeds the choice of deep sentences."""
+
+
+def long_task_command(cfg: LongTaskConfig) -> int:
+    out = build(cfg.raw, cfg.out, min_words=cfg.min_words, deep_after=cfg.deep_after, seed=cfg.seed)
+    with open(out / "corpus.jsonl", encoding="utf-8") as f:
+        docs = sum(1 for _ in f)
+    print(f"long-task: {docs} articles -> {out} (qrels test: titles, deep: deep sentences)")
+    return 0

@@ -42,6 +42,7 @@ from typing import Any
 import pyarrow as pa
 
 from retromae_ds import faults
+from retromae_ds.config import flag, parse_size
 from retromae_ds.data import schema
 from retromae_ds.data.segment import SEGMENTERS, Segmenter, SegmenterSpec
 from retromae_ds.data.segment import identity as segmenter_identity
@@ -72,25 +73,25 @@ REJECTS_NAME = "rejects.jsonl"
 class PreprocessConfig:
     """Settings of one preprocessing run."""
 
-    inputs: list[str] = field(default_factory=list)
-    """Files, globs or folders (see ``sources``)."""
+    inputs: list[str] = flag(default_factory=list, positional=True, nargs="*")
+    """Files, globs or folders (.jsonl[.gz], .txt, .parquet, BEIR, datasets; see ``sources``)."""
     out: str
     """Output folder."""
     tokenizer: str | None = None
     """Local Hugging Face fast-tokenizer folder."""
-    train_tokenizer: int | None = None
+    train_tokenizer: int | None = flag(None, metavar="VOCAB_SIZE")
     """Train a WordPiece tokenizer of this vocabulary size on the inputs first."""
     lowercase: bool = True
     """Lower-case when training a tokenizer."""
     max_length: int = 512
     """Model sequence length including special tokens; rows hold that minus the specials."""
-    shard_size: int = 0
-    """Input bytes per shard (one work unit); output shards come out at a similar size.
+    shard_size: int = flag(0, parse=parse_size)
+    """Input bytes (e.g. 64MB) per shard (one work unit); output shards come out at a similar size.
     0 = auto: 1/64 of the input, between 1 MiB and 64 MiB (a function of the input alone, so
     the output stays the same for any worker count)."""
     pack: bool = False
     """Pack consecutive short rows into samples of up to the row limit."""
-    segmenter: str = "none"
+    segmenter: str = flag("none", choices=SEGMENTERS)
     """Word starts for whole-word masking of Chinese: ``jieba`` (a token inside a jieba word
     with a Han character is no word start; see ``data.segment``), ``auto`` (jieba when the
     inputs hold Han characters) or ``none`` (the tokenizer's words only)."""
@@ -98,12 +99,13 @@ class PreprocessConfig:
     """A jieba main dictionary replacing the shipped one (its hash is part of the plan)."""
     workers: int = 1
     """Worker processes."""
-    on_error: str = "raise"
+    on_error: str = flag("raise", choices=("raise", "skip"))
     """``raise``: stop at the first bad record; ``skip``: skip it and log it to rejects.jsonl."""
     num_tasks: int = 1
     """Split the units over this many independent processes (e.g. a Slurm array)."""
-    task_index: int = 0
-    """Which of the ``num_tasks`` this process is."""
+    task_index: int | None = None
+    """Which of the ``num_tasks`` this process is (none: the Slurm array index, from
+    ``SLURM_ARRAY_TASK_ID`` less ``SLURM_ARRAY_TASK_MIN``; 0 for a single task)."""
     merge: bool = False
     """Only write the manifest over all tasks' shards."""
     progress: bool = True
@@ -111,6 +113,13 @@ class PreprocessConfig:
     source: SourceOptions = field(default_factory=SourceOptions)
 
     def __post_init__(self) -> None:
+        if self.task_index is None:
+            env = os.environ
+            self.task_index = (
+                int(env.get("SLURM_ARRAY_TASK_ID", 0)) - int(env.get("SLURM_ARRAY_TASK_MIN", 0))
+                if self.num_tasks > 1
+                else 0
+            )
         if self.segmenter not in SEGMENTERS:
             raise ValueError(f"segmenter must be one of {SEGMENTERS}, not {self.segmenter!r}")
         if self.on_error not in ("raise", "skip"):
@@ -406,6 +415,14 @@ def _input_changes(old: list[dict], new: list[dict]) -> list[str]:
         if fields:
             changes.append(f"{path}: {', '.join(fields)} changed")
     return sorted(changes)
+
+
+def preprocess_command(cfg: PreprocessConfig) -> int:
+    """``retromae-ds preprocess``."""
+    if not cfg.merge and not cfg.inputs:
+        raise ValueError("preprocess: no inputs given")
+    run_preprocess(cfg)
+    return 0
 
 
 def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:

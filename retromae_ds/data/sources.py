@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from retromae_ds.config import flag
+
 # .raw: plain text under WikiText's naming
 TEXT_SUFFIXES = {
     ".jsonl": "jsonl",
@@ -52,7 +54,7 @@ class SourceOptions:
     """JSON key / column with the document id; default ``_id`` or ``id`` when present."""
     title_sep: str = " "
     """Joins title and text."""
-    txt_mode: str = "line"
+    txt_mode: str = flag("line", choices=("line", "paragraph"))
     """``line``: one document per line; ``paragraph``: blank-line-separated paragraphs."""
     split: str | None = None
     """Split to read from a ``datasets.DatasetDict`` folder (default: ``train``)."""

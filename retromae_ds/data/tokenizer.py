@@ -10,8 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from retromae_ds.config import flag
 
 SPECIAL_TOKEN_ATTRS = ("cls", "sep", "pad", "mask", "unk", "bos", "eos")
 
@@ -210,3 +213,64 @@ def _batched(texts: Iterable[str], size: int = 1000) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+# --------------------------------------------------------------------------- commands
+@dataclass(kw_only=True)
+class TrainTokenizerConfig:
+    """``retromae-ds train-tokenizer``: a WordPiece tokenizer trained on the inputs."""
+
+    inputs: list[str] = flag(positional=True, nargs="+")
+    """Files, globs or folders."""
+    out: str
+    """Tokenizer folder to write."""
+    vocab_size: int = 30522
+    """WordPiece entries."""
+    lowercase: bool = True
+    """Lower-case the text (BERT uncased)."""
+    text_field: str = "text"
+    """Text field of JSON records."""
+    title_field: str | None = None
+    """Prepended to the text."""
+    txt_mode: str = flag("line", choices=("line", "paragraph"))
+    """.txt files: a document per line, or per blank-line-separated paragraph."""
+
+
+def train_tokenizer_command(cfg: TrainTokenizerConfig) -> int:
+    from retromae_ds.data.sources import SourceOptions, expand_inputs, plan_units, read_unit
+
+    opts = SourceOptions(
+        text_field=cfg.text_field, title_field=cfg.title_field, txt_mode=cfg.txt_mode
+    )
+    units, _ = plan_units(expand_inputs(cfg.inputs), 64 * 2**20, opts)
+
+    def texts():
+        return (t for u in units for t in read_unit(u, opts).texts)
+
+    tok = train_wordpiece(texts, cfg.vocab_size, cfg.out, lowercase=cfg.lowercase)
+    print(f"train-tokenizer: {len(tok)} tokens -> {cfg.out}")
+    return 0
+
+
+@dataclass(kw_only=True)
+class MakeTokenizerConfig:
+    """``retromae-ds make-tokenizer``: a BERT fast-tokenizer folder from a WordPiece vocab."""
+
+    vocab: str
+    """vocab.txt, one token a line."""
+    out: str
+    """Tokenizer folder to write."""
+    lowercase: bool = True
+    """Lower-case the text (BERT uncased)."""
+    chinese: bool = False
+    """Check that the vocabulary covers Han characters (BERT-Base Chinese)."""
+    max_length: int = 512
+    """Model length including special tokens."""
+
+
+def make_tokenizer_command(cfg: MakeTokenizerConfig) -> int:
+    tok = make_wordpiece(
+        cfg.vocab, cfg.out, lowercase=cfg.lowercase, chinese=cfg.chinese, max_length=cfg.max_length
+    )
+    print(f"make-tokenizer: {len(tok)} tokens -> {cfg.out}")
+    return 0

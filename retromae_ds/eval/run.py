@@ -16,10 +16,10 @@ and MRR@10 (C-MTEB's reranking measures; ``retromae_ds.eval.rerank``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 
 from retromae_ds import sbert
 from retromae_ds.checkpoint import resolve_encoder
+from retromae_ds.config import flag
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
 from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
@@ -278,71 +279,54 @@ def evaluate_beir(
     return result
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> None:
-    """Options of ``retromae-ds eval``."""
-    p.add_argument(
-        "--model",
-        required=True,
-        help="a local Hugging Face encoder folder, a checkpoint, or a run folder (its newest)",
-    )
-    p.add_argument("--beir", required=True, help="BEIR dataset folder (corpus/queries/qrels)")
-    p.add_argument("--split", default="test", help="qrels split (default: test)")
-    p.add_argument(
-        "--pooling",
-        choices=("auto", "cls", "mean"),
-        default="auto",
-        help="sentence embedding (default: the model's own, read from its sentence-transformers "
-        "files, else cls)",
-    )
-    p.add_argument(
-        "--normalize",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="L2-normalise embeddings (cosine; default: the model's own, else no)",
-    )
-    p.add_argument(
-        "--max-length",
-        type=int,
-        default=None,
-        help=f"tokens per text (default: the model's max_seq_length, else {DEFAULT_MAX_LENGTH})",
-    )
-    p.add_argument("--batch-size", type=int, default=64, help="texts per forward pass")
-    p.add_argument("--out", default=None, help="write the results as JSON to this file")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:1, ...")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    p.add_argument(
-        "--rerank",
-        action="store_true",
-        help="also rerank each query's candidates (positives + BM25 negatives): MAP, MRR@10",
-    )
-    p.add_argument(
-        "--rerank-negatives",
-        type=int,
-        default=DEFAULT_NEGATIVES,
-        help=f"BM25 negatives per candidate list (default {DEFAULT_NEGATIVES})",
-    )
-    p.add_argument(
-        "--candidates",
-        default=None,
-        help="JSONL candidate lists (query_id, negative[, positive]) instead of BM25's",
-    )
+@dataclass(kw_only=True)
+class EvalConfig:
+    """``retromae-ds eval``: retrieval metrics of an encoder on a BEIR folder."""
+
+    model: str
+    """A local Hugging Face encoder folder, a checkpoint, or a run folder (its newest)."""
+    beir: str
+    """BEIR dataset folder (corpus/queries/qrels)."""
+    split: str = "test"
+    """Qrels split."""
+    pooling: str = flag("auto", choices=("auto", "cls", "mean"))
+    """Sentence embedding (auto: the model's own, read from its sentence-transformers files,
+    else cls)."""
+    normalize: bool | None = None
+    """L2-normalise embeddings, cosine (none: the model's own, else no)."""
+    max_length: int | None = None
+    """Tokens per text (none: the model's max_seq_length, else 512)."""
+    batch_size: int = 64
+    """Texts per forward pass."""
+    out: str | None = None
+    """Write the results as JSON to this file."""
+    device: str = "auto"
+    """auto (cuda if available), cpu, cuda:1, ..."""
+    progress: bool = True
+    """Progress bars on stderr."""
+    rerank: bool = False
+    """Also rerank each query's candidates (positives + BM25 negatives): MAP, MRR@10."""
+    rerank_negatives: int = DEFAULT_NEGATIVES
+    """BM25 negatives per candidate list."""
+    candidates: str | None = None
+    """JSONL candidate lists (query_id, negative[, positive]) instead of BM25's."""
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    """Run ``retromae-ds eval`` from parsed arguments; returns the exit status."""
+def eval_command(cfg: EvalConfig) -> int:
+    """``retromae-ds eval``; returns the exit status."""
     evaluate_beir(
-        args.model,
-        args.beir,
-        args.split,
-        pooling=args.pooling,
-        normalize=args.normalize,
-        max_length=args.max_length,
-        batch_size=args.batch_size,
-        device=args.device,
-        out_json=args.out,
-        progress=args.progress,
-        rerank=args.rerank,
-        rerank_negatives=args.rerank_negatives,
-        candidates=args.candidates,
+        cfg.model,
+        cfg.beir,
+        cfg.split,
+        pooling=cfg.pooling,
+        normalize=cfg.normalize,
+        max_length=cfg.max_length,
+        batch_size=cfg.batch_size,
+        device=cfg.device,
+        out_json=cfg.out,
+        progress=cfg.progress,
+        rerank=cfg.rerank,
+        rerank_negatives=cfg.rerank_negatives,
+        candidates=cfg.candidates,
     )
     return 0
