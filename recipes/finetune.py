@@ -43,8 +43,9 @@ from typing import Any
 from recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
 from recipes.report import compare
 from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+from retromae_ds.components.engine import DeepSpeedSettings
+from retromae_ds.components.layout import RunLayout
 from retromae_ds.config import to_dict
-from retromae_ds.engine import DeepSpeedSettings
 from retromae_ds.finetune import (
     DualModelConfig,
     FinetuneConfig,
@@ -52,7 +53,6 @@ from retromae_ds.finetune import (
     NegativesConfig,
 )
 from retromae_ds.fsutil import atomic_write_text
-from retromae_ds.layout import RunLayout
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 
 ARMS = ("bm25", "ance")

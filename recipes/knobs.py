@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from recipes.common import write_json
-from retromae_ds.layout import RunLayout
-from retromae_ds.metrics_log import read_rows
+from retromae_ds.components.layout import RunLayout
+from retromae_ds.components.metrics_log import read_rows
 
 KNOBS: dict[str, dict[str, Any]] = {
     "reference": {},

@@ -57,10 +57,11 @@ from recipes.study_config import (
     quick_config,
 )
 from retromae_ds.ance.refresh_config import RefreshConfig
-from retromae_ds.checkpoint import resolve_encoder
+from retromae_ds.components.checkpoint import resolve_encoder
+from retromae_ds.components.engine import DeepSpeedSettings
+from retromae_ds.components.layout import RunLayout
 from retromae_ds.config import to_dict
 from retromae_ds.data.collate import MaskingConfig
-from retromae_ds.engine import DeepSpeedSettings
 from retromae_ds.eval.periodic import EvalConfig
 from retromae_ds.finetune import (
     DualModelConfig,
@@ -69,7 +70,6 @@ from retromae_ds.finetune import (
     NegativesConfig,
 )
 from retromae_ds.hfutil import quiet_transformers
-from retromae_ds.layout import RunLayout
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig
 from retromae_ds.pretrain import DataConfig, ModelConfig, TrainConfig
@@ -339,7 +339,7 @@ class Study:
         from retromae_ds.export import export_encoder
 
         export_encoder(config.run_dir, encoder)
-        from retromae_ds.metrics_log import read_rows
+        from retromae_ds.components.metrics_log import read_rows
 
         train, curve = read_rows(RunLayout(config.run_dir))
         write_json(

@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds import sbert
+from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import COMPLETE, ENCODER, PARTIAL_DIR, STEP_DIR, RunLayout
 from retromae_ds.config import flag
 from retromae_ds.errors import disk_full_error
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_tokenizer_checked, quiet_transformers
-from retromae_ds.layout import COMPLETE, ENCODER, PARTIAL_DIR, STEP_DIR, RunLayout
 from retromae_ds.modeling.load import load_pretrained
 from retromae_ds.modeling.positions import usable_positions
 

@@ -36,7 +36,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from retromae_ds import engine as eng
 from retromae_ds import sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
@@ -53,14 +52,15 @@ from retromae_ds.ance.negatives import (
     wait_for_mined,
 )
 from retromae_ds.ance.refresh_config import RefreshConfig
-from retromae_ds.checkpoint import resolve_encoder
+from retromae_ds.components import engine as eng
+from retromae_ds.components.checkpoint import resolve_encoder
+from retromae_ds.components.layout import RunLayout
+from retromae_ds.components.signals import StopSignals
 from retromae_ds.config import resumable, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.fsutil import atomic_write_text
-from retromae_ds.layout import RunLayout
 from retromae_ds.training.config import OptimConfig, RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
-from retromae_ds.training.signals import StopSignals
 
 
 @dataclass(kw_only=True)

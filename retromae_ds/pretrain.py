@@ -21,20 +21,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from retromae_ds import engine as eng
+from retromae_ds.components import engine as eng
+from retromae_ds.components.layout import ENCODER
+from retromae_ds.components.signals import StopSignals
 from retromae_ds.config import resumable
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
 from retromae_ds.eval.periodic import EvalConfig
-from retromae_ds.layout import ENCODER
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
 from retromae_ds.special_tokens import SpecialIds
 from retromae_ds.training.config import RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
-from retromae_ds.training.signals import StopSignals
 
 
 @dataclass(kw_only=True)
@@ -217,7 +217,7 @@ def check_vocabulary(
     vocabulary size must be the shards' when it ships none. Presets take the shards' own.
     Returns the folder checked (a run's newest verified encoder: ``resolve_encoder``), None
     for a preset."""
-    from retromae_ds.checkpoint import resolve_encoder
+    from retromae_ds.components.checkpoint import resolve_encoder
     from retromae_ds.hfutil import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
 
     if not Path(encoder.name).is_dir():

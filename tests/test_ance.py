@@ -28,7 +28,7 @@ from retromae_ds.ance.mining import (
     mine,
     positive_scores,
 )
-from retromae_ds.layout import RunLayout
+from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
 
@@ -44,7 +44,7 @@ def fake_checkpoint(run_dir: Path, step: int, encoder_dir: Path) -> Path:
     """A complete trainer checkpoint as the refresher sees one: marker + encoder folder."""
     import shutil
 
-    from retromae_ds import checkpoint as ckpt
+    from retromae_ds.components import checkpoint as ckpt
 
     folder = run_dir / "checkpoints" / ckpt.tag_for(step)
     shutil.copytree(encoder_dir, folder / "encoder")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from retromae_ds.components.engine import build_ds_config
+from retromae_ds.components.optim import lr_lambda
 from retromae_ds.config import (
     build_config,
     field_docs,
@@ -18,10 +20,8 @@ from retromae_ds.config import (
     parse_config,
     parse_overrides,
 )
-from retromae_ds.engine import build_ds_config
 from retromae_ds.pretrain import TrainConfig
 from retromae_ds.training.config import OptimConfig
-from retromae_ds.training.optim import lr_lambda
 
 
 def test_overrides_reach_nested_fields_with_types(tmp_path):

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import mine
+from retromae_ds.components import checkpoint as ckpt
 
 from helpers_ance import (
     ENV,

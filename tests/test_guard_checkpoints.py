@@ -20,9 +20,9 @@ import pytest
 from helpers_train import ENV, REPO, pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds import export as export_mod
 from retromae_ds.cli import main
+from retromae_ds.components import checkpoint as ckpt
 
 from helpers_ance import write_synthetic_beir
 

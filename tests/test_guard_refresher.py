@@ -22,7 +22,7 @@ from helpers_disk import fill, small_disk
 from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.layout import RunLayout
+from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 
@@ -447,7 +447,7 @@ def test_a_full_disk_under_negatives_fails_the_refresher_clearly_and_loses_nothi
         assert trainer.returncode == 2, stderr[-3000:]
         line = _one_line_error(stderr, "retromae-ds finetune")
         assert "refresher" in line and "No space left" in line, line
-        from retromae_ds import checkpoint as ckpt
+        from retromae_ds.components import checkpoint as ckpt
 
         saved = ckpt.read_marker(ckpt.latest_complete(run / "checkpoints"))["step"]
         assert 0 < saved < 24 and not (run / "FINISHED").exists()

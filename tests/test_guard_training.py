@@ -13,7 +13,7 @@ from helpers_disk import fill, small_disk
 from helpers_train import ENV, REPO, metrics, pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds import checkpoint as ckpt
+from retromae_ds.components import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")

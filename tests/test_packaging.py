@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from retromae_ds.engine import build_ds_config, resolve_ds_config, shipped_ds_configs
+from retromae_ds.components.engine import build_ds_config, resolve_ds_config, shipped_ds_configs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_wheel_ships_the_ds_configs_and_works_outside_the_repository(tmp_path):
     elsewhere.mkdir()
     script = (
         "import json, retromae_ds\n"
-        "from retromae_ds.engine import build_ds_config\n"
+        "from retromae_ds.components.engine import build_ds_config\n"
         "ds = build_ds_config(['ds_configs/zero2.json', 'ds_configs/fp32.json'], micro_batch=2,"
         " grad_accum=1, world_size=1, grad_clip=1.0, cuda=False)\n"
         "print(json.dumps({'file': retromae_ds.__file__, 'ds': ds}))\n"

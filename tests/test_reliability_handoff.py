@@ -14,7 +14,7 @@ import torch
 
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.layout import RunLayout
+from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
 

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes, wait_for
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
+from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.signals import EXIT_REQUEUE
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.training.signals import EXIT_REQUEUE
 
 from synthetic import synthetic_texts
 

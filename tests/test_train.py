@@ -13,8 +13,8 @@ import torch
 from helpers_train import ENV, REPO, free_port, metrics, pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
+from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
 from synthetic import synthetic_texts
@@ -285,7 +285,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
     import signal
     import time
 
-    from retromae_ds.training.signals import EXIT_REQUEUE
+    from retromae_ds.components.signals import EXIT_REQUEUE
 
     run = tmp_path / "run"
     args = [
@@ -360,9 +360,9 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 
 
 def test_stop_signals_are_validated(synthetic_shards):
+    from retromae_ds.components.signals import signal_number
     from retromae_ds.config import build_config
     from retromae_ds.pretrain import TrainConfig
-    from retromae_ds.training.signals import signal_number
 
     assert signal_number("USR1") == signal_number("SIGUSR1")
     base = ["--data.shards", str(synthetic_shards), "--max_steps", "1"]
@@ -380,7 +380,7 @@ def test_after_a_stop_further_stop_signals_are_ignored():
     a process that did not stop gets its previous handlers back."""
     import signal
 
-    from retromae_ds.training.signals import StopRequested, StopSignals
+    from retromae_ds.components.signals import StopRequested, StopSignals
 
     previous = signal.getsignal(signal.SIGUSR2)
     try:
@@ -418,8 +418,8 @@ def test_encoder_frozen_steps_train_only_the_heads_first(tmp_path, synthetic_sha
     assert any(not torch.equal(s1[k], s2[k]) for k in heads)
     assert any(not torch.equal(s2[k], s3[k]) for k in body)
     with pytest.raises(ValueError, match="encoder_frozen_steps"):
+        from retromae_ds.components.optim import build_scheduler
         from retromae_ds.training.config import OptimConfig
-        from retromae_ds.training.optim import build_scheduler
 
         opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(1))], "body": True}])
         build_scheduler(opt, OptimConfig(encoder_frozen_steps=4), 4)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds import faults
-from retromae_ds.layout import RunLayout
+from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import ENV, REPO
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from retromae_ds import engine as eng
+from retromae_ds.components import engine as eng
+from retromae_ds.components.signals import StopSignals
 from retromae_ds.config import build_config
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.training.config import RunConfig
 from retromae_ds.training.loop import Hooks, Trainer
-from retromae_ds.training.signals import StopSignals
 
 
 class Toy(torch.nn.Module):

@@ -18,8 +18,8 @@ from torch import nn
 
 from retromae_ds import sbert
 from retromae_ds.ance.loss import contrastive_loss
+from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.eval.encode import pool
-from retromae_ds.layout import ENCODER, QUERY_ENCODER
 
 
 def load_body(folder: str | Path) -> nn.Module:

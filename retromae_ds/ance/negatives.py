@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retromae_ds import engine as eng
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
+from retromae_ds.components import engine as eng
 from retromae_ds.errors import RunFailed
 
 

@@ -56,7 +56,6 @@ from typing import Any
 
 import torch
 
-from retromae_ds import checkpoint as ckpt
 from retromae_ds import holder_lock
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
@@ -71,8 +70,9 @@ from retromae_ds.ance.stages import (
     open_work,
     search_stage,
 )
+from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import RunLayout
 from retromae_ds.errors import run_reporting
-from retromae_ds.layout import RunLayout
 
 # --------------------------------------------------------------------------- guards
 LOCK = ".refresher.lock"

@@ -36,10 +36,10 @@ from retromae_ds.ance.mining import positive_scores
 from retromae_ds.ance.model import load_body
 from retromae_ds.ance.publish import Ranking
 from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
 from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
-from retromae_ds.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.special_tokens import SpecialIds
 
 
@@ -99,7 +99,7 @@ class Group:
     """Rank/world from the environment (torchrun, srun); a process group only with >1 rank."""
 
     def __init__(self, timeout_s: int) -> None:
-        from retromae_ds import engine as eng
+        from retromae_ds.components import engine as eng
 
         self.rank = eng.env_int("RANK", "SLURM_PROCID", default=0)
         self.world = eng.env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
@@ -108,7 +108,7 @@ class Group:
             self.info = eng.setup_distributed(timeout_s)
 
     def broadcast(self, obj: Any) -> Any:
-        from retromae_ds import engine as eng
+        from retromae_ds.components import engine as eng
 
         return obj if self.world == 1 else eng.broadcast_object(obj)
 

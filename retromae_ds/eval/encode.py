@@ -111,7 +111,7 @@ class HFEncoder:
         A folder without a usable tokenizer is a ``ValueError`` (``load_tokenizer_checked``)."""
         from transformers import AutoModel
 
-        from retromae_ds.checkpoint import resolve_encoder
+        from retromae_ds.components.checkpoint import resolve_encoder
 
         model_dir = resolve_encoder(model_dir)  # a checkpoint's encoder checked against its record
         tokenizer = load_tokenizer_checked(model_dir)

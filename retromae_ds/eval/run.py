@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from retromae_ds import sbert
-from retromae_ds.checkpoint import resolve_encoder
+from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.config import flag
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts

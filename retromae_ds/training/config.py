@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from retromae_ds.components.engine import DeepSpeedSettings
+from retromae_ds.components.signals import signal_number
 from retromae_ds.config import resumable
-from retromae_ds.engine import DeepSpeedSettings
-from retromae_ds.training.signals import signal_number
 
 
 @dataclass(kw_only=True)

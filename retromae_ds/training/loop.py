@@ -28,9 +28,19 @@ from typing import Any, Protocol
 
 import torch
 
-from retromae_ds import engine as eng
 from retromae_ds import faults
-from retromae_ds.checkpoint import CheckpointManager, Restored, latest_complete, read_marker
+from retromae_ds.components import engine as eng
+from retromae_ds.components.checkpoint import (
+    CheckpointManager,
+    Restored,
+    latest_complete,
+    read_marker,
+)
+from retromae_ds.components.layout import RunLayout
+from retromae_ds.components.metrics_log import MetricsLogger
+from retromae_ds.components.optim import build_optimizer, build_scheduler
+from retromae_ds.components.run_lock import hold_run_folder
+from retromae_ds.components.signals import EXIT_REQUEUE, StopRequested, StopSignals
 from retromae_ds.config import apply_renamed, flat_defaults, resume_may_change, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.errors import (
@@ -41,12 +51,7 @@ from retromae_ds.errors import (
     run_reporting,
 )
 from retromae_ds.fsutil import atomic_write_json
-from retromae_ds.layout import RunLayout
-from retromae_ds.metrics_log import MetricsLogger
 from retromae_ds.training.config import RunConfig
-from retromae_ds.training.lock import hold_run_folder
-from retromae_ds.training.optim import build_optimizer, build_scheduler
-from retromae_ds.training.signals import EXIT_REQUEUE, StopRequested, StopSignals
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -405,7 +410,7 @@ def run_guarded(
 ) -> dict[str, Any]:
     """``body(stop, dist)`` of a job (pre-training, fine-tuning): stop signals caught from the
     start (a signal during set-up counts), the process group set up, and the run folder held
-    by this one writer (``training.lock``) while it runs."""
+    by this one writer (``components.run_lock``) while it runs."""
     with StopSignals(cfg.stop_signals) as stop:
         dist = eng.setup_distributed(cfg.deepspeed.timeout_s)
         with hold_run_folder(RunLayout(cfg.run_dir), dist.rank):

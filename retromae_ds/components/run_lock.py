@@ -14,9 +14,9 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from retromae_ds import engine as eng
 from retromae_ds import holder_lock
-from retromae_ds.layout import RunLayout
+from retromae_ds.components import engine as eng
+from retromae_ds.components.layout import RunLayout
 
 
 class RunFolderBusy(ValueError):

@@ -11,7 +11,7 @@ layout is written down once::
         metrics.superseded.jsonl rows a stopped run logged after its last checkpoint, moved out
                                  by the run that resumed (so metrics.jsonl never repeats a step)
         checkpoints/
-            step_00000100/       complete (see retromae_ds.checkpoint)
+            step_00000100/       complete (see retromae_ds.components.checkpoint)
                 COMPLETE         completion record, written last
                 rank_00000.pt    per-rank state: sampler, RNG, task state
                 encoder/         the encoder as a Hugging Face folder
@@ -24,7 +24,7 @@ layout is written down once::
         refresher.log            the local refresher's output
         refresh_metrics.jsonl    the refresher's timings per published version
         FINISHED                 fine-tuning reached max_steps (the refresher may stop)
-        .lock                    held by the run writing here (retromae_ds.training.lock)
+        .lock                    held by the run writing here (retromae_ds.components.run_lock)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoints that a crash cannot corrupt: saving, resuming, and finding them.
 
-Layout: see ``retromae_ds.layout`` (``RUN/checkpoints/step_N/`` with a ``COMPLETE`` record,
+Layout: see ``retromae_ds.components.layout`` (``RUN/checkpoints/step_N/`` with a ``COMPLETE`` record,
 the DeepSpeed files, one ``rank_R.pt`` per rank and the encoder as a Hugging Face folder).
 
 :class:`CheckpointManager` is the one writer and reader of a run's checkpoints, used by
@@ -34,9 +34,7 @@ import numpy as np
 import torch
 
 from retromae_ds import faults
-from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
-from retromae_ds.hfutil import quiet_transformers
-from retromae_ds.layout import (
+from retromae_ds.components.layout import (
     COMPLETE,
     ENCODER,
     PARTIAL_DIR,
@@ -46,6 +44,8 @@ from retromae_ds.layout import (
     rank_state_file,
     step_tag,
 )
+from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
+from retromae_ds.hfutil import quiet_transformers
 
 MARKER = COMPLETE
 tag_for = step_tag
@@ -356,7 +356,7 @@ class CheckpointManager:
         marker: dict[str, Any],
         write_models: Callable[[dict[str, torch.Tensor], Path], None],
     ) -> None:
-        from retromae_ds import engine as eng
+        from retromae_ds.components import engine as eng
 
         root = self.layout.checkpoints
         final, staging = self.layout.checkpoint(step), self.layout.staging(step)
@@ -383,7 +383,7 @@ class CheckpointManager:
     def choose(self, resume: str) -> Path | None:
         """The checkpoint ``resume`` names, verified (collective: rank 0 checks the files and
         chooses, every rank gets the same answer or the same error)."""
-        from retromae_ds import engine as eng
+        from retromae_ds.components import engine as eng
 
         def note(text: str) -> None:
             print(text, file=sys.stderr, flush=True)
@@ -408,7 +408,7 @@ class CheckpointManager:
 
     def load(self, engine, checkpoint: Path) -> Restored:
         """Engine state, this rank's RNG and state from a chosen checkpoint."""
-        from retromae_ds import engine as eng
+        from retromae_ds.components import engine as eng
 
         marker = read_marker(checkpoint)
         if marker["world_size"] != self.world_size:
