@@ -181,7 +181,9 @@ def violations() -> dict[str, list[str]]:
         ):
             found.setdefault(f"distributed {e.source} -> {top}", []).append(e.where())
     for e in inner:
-        if e.target == "components.engine" and any(fnmatch.fnmatchcase(e.source, p) for p in NO_DISTRIBUTED):
+        if e.target == "components.engine" and any(
+            fnmatch.fnmatchcase(e.source, p) for p in NO_DISTRIBUTED
+        ):
             found.setdefault(f"distributed {e.source} -> engine", []).append(e.where())
     return found
 

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from retromae_ds.data import schema
 from retromae_ds.data.dataset import Batch, ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.data.tokenize import make_backend, tokenize_documents
+from retromae_ds.data.rows import make_backend, tokenize_documents
 from retromae_ds.data.tokenizer import (
     backend_json,
     fingerprint,

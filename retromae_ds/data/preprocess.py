@@ -44,6 +44,12 @@ import pyarrow as pa
 from retromae_ds import faults
 from retromae_ds.config import flag, parse_size
 from retromae_ds.data import schema
+from retromae_ds.data.rows import (
+    build_batch,
+    continuation_mask,
+    make_backend,
+    tokenize_documents,
+)
 from retromae_ds.data.segment import SEGMENTERS, Segmenter, SegmenterSpec
 from retromae_ds.data.segment import identity as segmenter_identity
 from retromae_ds.data.segment import resolve as resolve_segmenter
@@ -56,12 +62,6 @@ from retromae_ds.data.sources import (
     input_signature,
     plan_units,
     read_unit,
-)
-from retromae_ds.data.tokenize import (
-    build_batch,
-    continuation_mask,
-    make_backend,
-    tokenize_documents,
 )
 from retromae_ds.fsutil import atomic_write_text, sha256_file  # noqa: F401 (re-exported)
 

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.data.tokenize import (
+from retromae_ds.data.rows import (
     build_batch,
     chunk_cuts,
     make_backend,
@@ -154,7 +154,7 @@ def _tokenizers(tokenizer):
 
 
 def test_wordpiece_fast_path_equals_the_word_id_path(tokenizer):
-    from retromae_ds.data.tokenize import continuation_mask
+    from retromae_ds.data.rows import continuation_mask
 
     texts = TRICKY + synthetic_texts(100, seed=9) + _real_texts()
     for tok in _tokenizers(tokenizer):
@@ -171,7 +171,7 @@ def test_wordpiece_fast_path_equals_the_word_id_path(tokenizer):
 def test_other_tokenizers_use_word_ids():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from retromae_ds.data.tokenize import continuation_mask
+    from retromae_ds.data.rows import continuation_mask
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
