@@ -304,7 +304,9 @@ def test_scifact_ndcg_matches_reference(shared_data, minilm_dir, tmp_path):
 def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, tmp_path):
     """A SciFact sub-collection (100 test queries; the 100+ documents they judge and 400
     others): ``evaluate_beir`` with all-MiniLM-L6-v2 gives the figures that sentence-
-    transformers' own encoding, exact numpy search and trec_eval (ir-measures) give."""
+    transformers' own encoding, exact numpy search and trec_eval (ir-measures) give, both in
+    float32; under bfloat16 autocast within 0.01 (nDCG@10 came 0.0029 off with transformers
+    5.25 on this machine's CPU, over the 2e-3 this test once allowed it)."""
     scifact = shared_data / "scifact"
     if not (scifact / "corpus.jsonl").is_file():
         pytest.skip(f"{scifact} is absent")
@@ -313,19 +315,23 @@ def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, 
     ir_measures = pytest.importorskip("ir_measures", reason="ir-measures (dev extra)")
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (dev extra)")
     sub = scifact_slice(scifact, tmp_path / "sub", extra_docs=400, test_queries=100)
-    result = evaluate_beir(
-        minilm_dir,
-        sub,
-        "test",
-        pooling="mean",
-        normalize=True,
-        max_length=256,
-        batch_size=32,
-        device="cpu",
-        amp_dtype=cpu_autocast_dtype(),
-        progress=False,
-        verbose=False,
-    )
+
+    def ours(amp_dtype):
+        return evaluate_beir(
+            minilm_dir,
+            sub,
+            "test",
+            pooling="mean",
+            normalize=True,
+            max_length=256,
+            batch_size=32,
+            device="cpu",
+            amp_dtype=amp_dtype,
+            progress=False,
+            verbose=False,
+        )
+
+    result = ours(None)  # float32, as the independent pipeline encodes
     assert result["num_queries"] == 100
 
     # the independent pipeline: BEIR's text, sentence-transformers, numpy, trec_eval
@@ -364,3 +370,9 @@ def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, 
     for name, measure in measures.items():
         assert result["metrics"][name] == pytest.approx(reference[measure], abs=2e-3), name
     assert 0.4 < result["metrics"]["ndcg@10"] < 0.95  # a real retriever, not a degenerate run
+    # bfloat16 autocast where the CPU has it natively: rankings move by a few swaps (one swap
+    # in one of 100 queries moves the mean nDCG@10 by up to ~0.003), not more
+    if cpu_autocast_dtype() is not None:
+        fast = ours(cpu_autocast_dtype())
+        for name, measure in measures.items():
+            assert fast["metrics"][name] == pytest.approx(reference[measure], abs=0.01), name
