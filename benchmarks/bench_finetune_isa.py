@@ -4,7 +4,7 @@ Run from the repository root (about 5 minutes on 2 cores)::
 
     python benchmarks/bench_finetune_isa.py [--steps 20] [--repeats 2] [--json out.json]
 
-The recipe's BM25 arm (``recipes/finetune.py``: all-MiniLM-L6-v2, batch 16 with 3 hard
+The recipe's BM25 arm (``retromae_recipes/finetune.py``: all-MiniLM-L6-v2, batch 16 with 3 hard
 negatives each, passages at 128 tokens, bf16 under DeepSpeed) trained for ``--steps`` steps
 in a fresh ``python -m retromae_ds.finetune`` process per run, with oneDNN capped at each
 instruction set of ``--isa`` through ``ONEDNN_MAX_CPU_ISA`` (oneDNN's own switch; the
@@ -85,8 +85,8 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    from recipes.finetune import Recipe, RecipeConfig
     from retromae_ds.config import to_dict
+    from retromae_recipes.finetune import Recipe, RecipeConfig
 
     scifact = Path(args.data) / "scifact"
     if not (scifact / "corpus.jsonl").is_file():

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         make_wordpiece(vocab, tok, chinese=True)
         inputs = [str(csl / "corpus.jsonl"), str(csl / "train_titles.txt")]
         try:
-            from recipes.chinese_text import peoples_daily
+            from retromae_recipes.chinese_text import peoples_daily
 
             inputs.append(str(peoples_daily(scratch / "texts")))
         except FileNotFoundError as exc:

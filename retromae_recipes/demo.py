@@ -20,7 +20,7 @@ miniature, on text every Python installation carries, so it needs no data folder
    (``study.png``, the curve ``study_curve.png``) and the report (``study.md``). ``--beir DIR``
    evaluates every encoder on that BEIR folder too.
 
-The protocol is ``recipes.study`` (``bert_config``): the same code as the study of
+The protocol is ``retromae_recipes.study`` (``bert_config``): the same code as the study of
 docs/results.md, on different inputs. Reruns skip finished cells.
 """
 
@@ -30,10 +30,10 @@ import hashlib
 import time
 from pathlib import Path
 
-from recipes.report import aggregate, report
-from recipes.study import Study
-from recipes.study_config import DEMO, bert_config
 from retromae_ds.data.builtin_corpus import iter_documents, split_for_retrieval, write_beir
+from retromae_recipes.report import aggregate, report
+from retromae_recipes.study import Study
+from retromae_recipes.study_config import DEMO, bert_config
 
 
 def builtin_task(folder: Path, max_docs: int | None = None, test_every: int = 3) -> Path:

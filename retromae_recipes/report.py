@@ -2,7 +2,7 @@
 orderings, a PNG plot, and ``study.md`` / ``study_results.json`` in the study folder.
 
 Pure bookkeeping on result rows (``{"task", "start", "objective", "seed", "stage",
-"pooling", "metrics"}``, as ``recipes.study.Study.run`` returns them; a row without
+"pooling", "metrics"}``, as ``retromae_recipes.study.Study.run`` returns them; a row without
 ``pooling`` is CLS) and on the pre-training summaries (losses, tokens seen, the zero-shot
 curve logged during pre-training); nothing here trains or imports torch. It also names the
 rows' vocabulary (objectives, stages, measures) in report order. The lexical reference is a
@@ -17,8 +17,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from recipes.common import pyplot, save_figure
 from retromae_ds.fsutil import atomic_write_text
+from retromae_recipes.common import pyplot, save_figure
 
 ARMS = ("none", "mlm", "retromae", "seed", "seed_strong")
 """A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
