@@ -1,5 +1,5 @@
 """Documents → shard rows: tokenization with word-start flags, chunking and packing (was
-``data/tokenize.py``, a name that also shadowed the standard library's ``tokenize``).
+``data/tokenize.py``, a name it shared with the standard library's ``tokenize``).
 
 Pure functions of (tokenizer, documents, limits); no I/O. The preprocessing tool calls these
 in worker processes.
