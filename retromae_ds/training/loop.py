@@ -30,6 +30,7 @@ import torch
 
 from retromae_ds import faults
 from retromae_ds.components import engine as eng
+from retromae_ds.components import memory
 from retromae_ds.components.checkpoint import (
     CheckpointManager,
     Restored,
@@ -308,6 +309,7 @@ class Trainer:
                     continue
                 step += 1
                 self.step = step
+                memory.release_freed_memory()  # flat RSS over a long run (components/memory.py)
                 faults.pause("sleep_after_step_s")
                 # every rank joins the all-reduce at every step, so all stop at the same step
                 if self.stop.signals or cfg.stop_on_nonfinite:
