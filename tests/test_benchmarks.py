@@ -87,8 +87,9 @@ def test_bench_attention_runs_every_backend_of_the_two_stream_rule(tmp_path):
 
 def test_bench_memory_trim_arm_stays_flat_where_the_keep_arm_grows(tmp_path):
     """Issue 30's leak, in miniature: 10 steps of the tiny RetroMAE model on variable-length
-    batches. Without the Trainer's ``release_freed_memory`` glibc keeps ~20 MiB a step; with
-    it the resident size stays within a few MiB. Linux with glibc only."""
+    batches. With the Trainer's ``release_freed_memory`` the resident size stays within a few
+    MiB a step; without it glibc keeps the free pages (here 1.9x the resident memory after 2
+    steps, and up to ~20 MiB more a step). Linux with glibc only."""
     from retromae_ds.components.memory import release_freed_memory
 
     if not release_freed_memory():
@@ -100,4 +101,6 @@ def test_bench_memory_trim_arm_stays_flat_where_the_keep_arm_grows(tmp_path):
     )
     trim, keep = rows["summary"]["trim"], rows["summary"]["keep"]
     assert trim["mib_per_step"] < 3, trim
-    assert keep["mib_per_step"] > 3 * max(trim["mib_per_step"], 1), (trim, keep)
+    # the keep arm holds the free pages: more resident memory at the end (its growth rate
+    # over 10 steps varies with the machine's load, 2-22 MiB a step; the level does not)
+    assert keep["rss_to_mib"] > 1.3 * trim["rss_to_mib"], (trim, keep)
