@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from retromae_ds.config import HelpWithDefaults, flag_parser, parse_flags, parse_size  # noqa: F401
+from retromae_ds.config import HelpWithDefaults, flag_parser, parse_flags
 from retromae_ds.errors import USER_ERRORS, run_reporting
 
 COMMANDS = "retromae_ds.commands"
