@@ -65,6 +65,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def _without_shm_comm(deepspeed: Any) -> None:
+    """Keep DeepSpeed from compiling its shared-memory all-reduce op for one CPU process.
+
+    DeepSpeed's torch backend builds ``deepspeed_shm_comm`` (a C++ extension: about 60 s of
+    g++ on a 2-core machine, cached per machine under ``TORCH_EXTENSIONS_DIR``) every time it
+    starts on the CPU, to speed up all-reduces between the ranks of a node. One process has
+    no peer to reduce with, so the op is marked incompatible and ``build_shm_op`` returns None;
+    gloo carries the (trivial) collectives. Runs with several ranks keep the op (built once
+    per machine, then loaded from the cache)."""
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict) and compatible.get(SHM_COMM_OP):
+        deepspeed.ops.__compatible_ops__ = {**compatible, SHM_COMM_OP: False}
+
+
 def setup_distributed(timeout_s: int = 600) -> DistInfo:
     """Initialise the process group (idempotent) and return this process's place in it."""
     rank = env_int("RANK", "SLURM_PROCID", default=0)
@@ -87,6 +104,8 @@ def setup_distributed(timeout_s: int = 600) -> DistInfo:
     if cuda:
         torch.cuda.set_device(local)
     if not torch.distributed.is_initialized():
+        if not cuda and world == 1:
+            _without_shm_comm(deepspeed)
         deepspeed.init_distributed(
             dist_backend=backend, verbose=False, timeout=datetime.timedelta(seconds=timeout_s)
         )
