@@ -108,3 +108,19 @@ def test_loaded_and_built_encoders_use_it_and_attention_dropout_is_set(tmp_path)
     assert drops == [0.25, 0.25] and model.config.attention_probs_dropout_prob == 0.25
     with pytest.raises(ValueError, match="attention_dropout"):
         EncoderConfig(name="tiny", attention_dropout=1.0)
+
+
+def test_a_transformers_without_the_interfaces_keeps_sdpa(monkeypatch):
+    """Before transformers 4.53 there is no attention / mask interface to register with
+    (the benchmark against FlagEmbedding 1.2.11 runs on 4.46.3): the model keeps ``sdpa``."""
+    import sys
+
+    from retromae_ds.modeling import long_attention
+
+    monkeypatch.setattr(long_attention, "_registered", False)
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # import -> ImportError
+    model = _model("bert")
+    assert not use_broadcast_mask(model)
+    assert model.config._attn_implementation == "sdpa"
+    ids, mask = _batch(16, 0)
+    assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()

@@ -53,17 +53,21 @@ def broadcast_padding_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask[:, :, :1]
 
 
-def register() -> None:
-    """Make ``sdpa_broadcast_mask`` known to transformers (idempotent)."""
+def register() -> bool:
+    """Make ``sdpa_broadcast_mask`` known to transformers (idempotent); False when this
+    transformers has no attention / mask interfaces to register with (before 4.53)."""
     global _registered
     if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import (
-        AttentionMaskInterface,
-        bidirectional_mask_function,
-        sdpa_mask,
-    )
+        return True
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import (
+            AttentionMaskInterface,
+            bidirectional_mask_function,
+            sdpa_mask,
+        )
+    except ImportError:
+        return False
 
     def mask(*, q_length: int, mask_function: Any, **kwargs: Any) -> torch.Tensor | None:
         # a bidirectional mask (padding alone) is the same for every query: build one row
@@ -74,14 +78,18 @@ def register() -> None:
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, mask)
     _registered = True
+    return True
 
 
 def use_broadcast_mask(model: nn.Module) -> bool:
     """Switch ``model`` from ``sdpa`` to ``sdpa_broadcast_mask``; False (unchanged) when it
-    uses another implementation (eager, flash_attention_2, flex_attention, ...)."""
+    uses another implementation (eager, flash_attention_2, flex_attention, ...) or when
+    transformers is too old to register it with (the model keeps ``sdpa`` and its full mask,
+    a memory cost at long L only)."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    register()
+    if not register() or not hasattr(model, "set_attn_implementation"):
+        return False
     model.set_attn_implementation(NAME)
     return True
