@@ -6,8 +6,12 @@ sample at L = 8,192 with BERT's 30,522 entries, 2 GB for 32 samples at 512, plus
 for their gradient. ``linear_cross_entropy`` computes the same loss chunk by chunk: each chunk's
 logits live only while its loss and its gradients (with respect to the features, the
 projection and its bias) are computed, in the forward pass; the backward pass only scales the
-stored gradients by the incoming one. Peak extra memory is one chunk's logits and the fp32
+stored gradients by the incoming one. Peak extra memory is one chunk's logits (in fp32 one
+buffer that every chunk reuses; in bf16 the logits and their fp32 log-softmax) and the fp32
 gradient of the projection (V×H, what its own gradient needs anyway), independent of N.
+Each chunk's logits are passed over few times: the bias enters the product as one more input
+column (so [dW, db] is one product too), one row-wise log-softmax, in place, gives the loss
+and, exponentiated in place, the softmax, and the mean's 1/N scales the small gradients once.
 FLOPs are those of the plain path (three N×H×V products); the logits are never recomputed.
 This is the approach of Liger-Kernel's fused linear cross-entropy, in plain PyTorch so it runs
 (and is tested) on CPU as well as GPU.
@@ -68,45 +72,65 @@ def head_parts(head: nn.Module) -> HeadParts | None:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, weight_VH, bias_V, targets_N, chunk):  # type: ignore[override]
-        n = x_NH.shape[0]
+        n, H = x_NH.shape
+        V, dev = weight_VH.shape[0], x_NH.device
         want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        want_b = want_b and bias_V is not None
         grads = want_x or want_w or want_b
+        # the bias as one more input column: [x, 1] @ [W, b].T is the biased product (no
+        # pass over the logits to add it) and d.T @ [x, 1] is [dW, db] (none to sum it)
+        biased = bias_V is not None
+        w_aug = torch.cat([weight_VH, bias_V[:, None].to(weight_VH.dtype)], 1) if biased else None
+        ones = x_NH.new_ones(min(chunk, n), 1) if biased else None
         grad_x = torch.empty_like(x_NH) if want_x else None
-        grad_w = (
-            torch.zeros(weight_VH.shape, dtype=torch.float32, device=x_NH.device)
-            if want_w
+        grad_wb = (
+            torch.zeros((V, H + biased), dtype=torch.float32, device=dev)
+            if want_w or want_b
             else None
         )
-        grad_b = (
-            torch.zeros(bias_V.shape, dtype=torch.float32, device=x_NH.device)
-            if want_b and bias_V is not None
-            else None
-        )
-        loss = torch.zeros((), dtype=torch.float32, device=x_NH.device)
-        correct = torch.zeros((), dtype=torch.long, device=x_NH.device)
+        # fp32: every chunk's logits are written into one buffer and turned into log p there
+        fp32 = x_NH.dtype == torch.float32 and weight_VH.dtype == torch.float32
+        buf = torch.empty((min(chunk, n), V), dtype=torch.float32, device=dev) if fp32 else None
+        loss = torch.zeros((), dtype=torch.float32, device=dev)
+        correct = torch.zeros((), dtype=torch.long, device=dev)
+        rows = torch.arange(min(chunk, n), device=dev)
         for start in range(0, n, chunk):
             x = x_NH[start : start + chunk]
             t = targets_N[start : start + chunk]
-            logits = x @ weight_VH.t()
-            if bias_V is not None:
-                logits = logits + bias_V
-            logits = logits.float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            correct += (logits.argmax(-1) == t).sum()
+            r = rows[: len(t)]
+            if biased:
+                x = torch.cat([x, ones[: len(t)]], 1)
+            w = w_aug if biased else weight_VH
+            if buf is not None:
+                logits = torch.mm(x, w.t(), out=buf[: len(t)])
+                correct += (logits.argmax(-1) == t).sum()
+                # one row-wise pass (the row stays in cache) turns the logits into log p
+                log_p = torch._log_softmax(logits, -1, False, out=logits)
+            else:
+                logits = x @ w.t()
+                correct += (logits.argmax(-1) == t).sum()
+                log_p = torch.log_softmax(logits.float(), dim=-1)
+            del logits
+            loss -= log_p[r, t].sum()
             if not grads:
                 continue
-            # d(mean loss)/d logits = (softmax - onehot) / n, in place of the logits
-            d = logits.sub_(lse[:, None]).exp_()
-            d[torch.arange(len(t), device=d.device), t] -= 1.0
-            d /= n
+            # d(sum of losses)/d logits = softmax - onehot, in place of log p; the 1/n of the
+            # mean is applied once to the (small) gradients after the loop
+            d = log_p.exp_()
+            d[r, t] -= 1.0
             if want_x:
                 grad_x[start : start + chunk] = (d.to(weight_VH.dtype) @ weight_VH).to(x_NH.dtype)
-            if want_w:
-                grad_w += d.t().to(x.dtype) @ x
-            if grad_b is not None:
-                grad_b += d.sum(0)
-            del d, logits
+            if grad_wb is not None:
+                if fp32:
+                    grad_wb.addmm_(d.t(), x)
+                else:
+                    grad_wb += d.t().to(x.dtype) @ x
+            del d, log_p
+        for g in (grad_x, grad_wb):
+            if g is not None:
+                g /= n
+        grad_w = grad_wb[:, :H] if want_w else None
+        grad_b = grad_wb[:, H] if want_b else None
         ctx.save_for_backward(
             *(g if g is not None else torch.empty(0) for g in (grad_x, grad_w, grad_b))
         )
