@@ -23,6 +23,11 @@ The learning-rate warm-up: Hugging Face's linear warm-up gives step k the factor
 first update has lr 0; this project's gives (k + 1) / (W + 1). ``--peer-schedule ours``
 (default) runs the peer under this project's schedule (``components.optim.lr_lambda``),
 ``hf`` under its own, to see what the first update's lr does to the losses.
+``--peer-rule ours`` replaces, in the peer's collator, its decoder attention mask by this
+project's rule (each query row keeps each whole word independently with probability
+1 - ratio; statistically the same rule, not the same draws), to see whether the decoder's
+losses then agree. Its collator then does its own work and the replacement: its speed is not
+the peer's.
 
 The arms alternate A/B/A/B in fresh processes (``--rounds``, the round's seed = its index).
 Each arm starts with an empty ``TORCH_EXTENSIONS_DIR`` (a fresh machine's start-up). The
@@ -77,7 +82,9 @@ MAX_LENGTH = 128  # both sides' sequence length, [CLS] and [SEP] included
 PEER_CHILD = r"""
 import json, sys, time
 sys.argv = ["retromae_pretrain"] + json.loads(sys.argv[1])
-steps_path, schedule, warmup_ratio = sys.argv.pop(), sys.argv.pop(), float(sys.argv.pop())
+steps_path, rule, schedule = sys.argv.pop(), sys.argv.pop(), sys.argv.pop()
+warmup_ratio = float(sys.argv.pop())
+import itertools
 import torch
 from transformers import TrainerCallback
 from FlagEmbedding.baai_general_embedding.retromae_pretrain import run
@@ -128,8 +135,34 @@ class Trainer(run.PreTrainer):
         return self.lr_scheduler
 
 
+class OursRule(run.RetroMAECollator):
+    # --peer-rule ours: the peer's batch with its decoder attention mask replaced by this
+    # project's rule: row i sees position 0 and each other real token whose whole word it
+    # keeps, each (row, word) kept independently with probability 1 - ratio ([SEP] included)
+
+    def __call__(self, examples):
+        batch = super().__call__(examples)
+        B, L = batch["decoder_input_ids"].shape
+        lengths = batch["encoder_attention_mask"].sum(1).tolist()
+        ids = batch["decoder_input_ids"].tolist()
+        visible = torch.zeros(B, L, L, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            tokens = self.tokenizer.convert_ids_to_tokens(ids[b][:n])
+            starts = [int(k == 0 or not t.startswith("##")) for k, t in enumerate(tokens)]
+            word = torch.tensor(list(itertools.accumulate(starts))) - 1  # [CLS] is word 0
+            keep = torch.rand(n, int(word[-1]) + 1) >= self.decoder_mlm_probability
+            v = keep[:, word]
+            v.fill_diagonal_(False)
+            v[:, 0] = True
+            visible[b, :n, :n] = v.long()
+        batch["decoder_attention_mask"] = visible
+        return batch
+
+
 run.RetroMAEForPretraining = Recorded
 run.PreTrainer = Trainer
+if rule == "ours":
+    run.RetroMAECollator = OursRule
 run.main()
 """
 
@@ -242,7 +275,7 @@ def ours_command(init: Path, shards: Path, out: Path, steps: int, seed: int, bat
     ]  # fmt: skip
 
 
-def peer_command(init, texts, out, steps, seed, batch, schedule, steps_path):
+def peer_command(init, texts, out, steps, seed, batch, schedule, steps_path, rule="peer"):
     args = [
         "--output_dir", str(out), "--model_name_or_path", str(init), "--train_data", str(texts),
         "--max_seq_length", str(MAX_LENGTH), "--encoder_mlm_probability", "0.3",
@@ -252,7 +285,7 @@ def peer_command(init, texts, out, steps, seed, batch, schedule, steps_path):
         "--seed", str(seed), "--data_seed", str(seed), "--logging_steps", "1",
         "--save_strategy", "no", "--report_to", "none", "--use_cpu", "--dataloader_drop_last",
         "--do_train", "--overwrite_output_dir", "--disable_tqdm", "true",
-        "0.1", schedule, str(steps_path),  # popped by PEER_CHILD: warm-up ratio, schedule, rows
+        "0.1", schedule, rule, str(steps_path),  # popped by PEER_CHILD
     ]  # fmt: skip
     return ["-c", PEER_CHILD, json.dumps(args)]
 
@@ -434,6 +467,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--warm", type=int, default=10, help="rates measured after this step")
     p.add_argument("--peer-schedule", choices=("ours", "hf"), default="ours")
+    p.add_argument("--peer-rule", choices=("peer", "ours"), default="peer",
+                   help="the peer's decoder attention rule: its own, or this project's")  # fmt: skip
     p.add_argument("--max-pieces", type=int, default=20000)
     p.add_argument("--data", default=str(DEFAULT_DATA))
     p.add_argument("--tokenizer", default=None)
@@ -474,8 +509,9 @@ def main() -> None:
             else:
                 rows = work / f"{arm}-{args.shape}-r{r}.steps.jsonl"
                 cmd = [args.peer_python] + peer_command(
-                    init, texts, out, args.steps, r, args.batch, args.peer_schedule, rows
-                )
+                    init, texts, out, args.steps, r, args.batch, args.peer_schedule, rows,
+                    args.peer_rule,
+                )  # fmt: skip
             rows.unlink(missing_ok=True)
             print(f"round {r} {arm} ...", flush=True)
             run = watch(cmd, rows, work / f"{arm}-{args.shape}-r{r}.log", args.limit_s)
@@ -513,7 +549,8 @@ def _ms(values: list[float], fmt: str = "{:.2f}") -> str:
 
 def report(runs, collate, windows, args, n_pieces, skip) -> None:
     print(f"\n{args.shape}, batch {args.batch}, {args.steps} steps, {n_pieces} pieces, "
-          f"{args.rounds} round(s), peer schedule {args.peer_schedule}")  # fmt: skip
+          f"{args.rounds} round(s), peer schedule {args.peer_schedule}, "
+          f"peer decoder rule {args.peer_rule}")  # fmt: skip
     keys = [
         ("startup_s", "start-up s", "{:.1f}"),
         ("samples_per_s", "samples/s", "{:.2f}"),
