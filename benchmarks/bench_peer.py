@@ -547,6 +547,21 @@ def _ms(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.fmean(values))} ± {fmt.format(statistics.stdev(values))}"
 
 
+def rates_table(runs, keys, ratio_key: str, ratio_name: str) -> None:
+    """The arms' mean ± std of each (key, column, format), then ours / peer of one key per round."""
+    print("| arm | " + " | ".join(k[1] for k in keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for arm, rs in runs.items():
+        cells = [_ms([r["summary"][k] for r in rs], fmt) for k, _, fmt in keys]
+        print(f"| {arm} | " + " | ".join(cells) + " |")
+    if "peer" in runs:
+        ratios = [
+            o["summary"][ratio_key] / p["summary"][ratio_key]
+            for o, p in zip(runs["ours"], runs["peer"], strict=True)
+        ]
+        print(f"\n{ratio_name} ours / peer: {', '.join(f'{x:.2f}' for x in ratios)}")
+
+
 def report(runs, collate, windows, args, n_pieces, skip) -> None:
     print(f"\n{args.shape}, batch {args.batch}, {args.steps} steps, {n_pieces} pieces, "
           f"{args.rounds} round(s), peer schedule {args.peer_schedule}, "
@@ -558,17 +573,7 @@ def report(runs, collate, windows, args, n_pieces, skip) -> None:
         ("cpu_s_per_step", "CPU-s/step", "{:.2f}"),
         ("rss_peak_mib", "RSS peak MiB", "{:,.0f}"),
     ]
-    print("| arm | " + " | ".join(k[1] for k in keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    for arm, rs in runs.items():
-        cells = [_ms([r["summary"][k] for r in rs], fmt) for k, _, fmt in keys]
-        print(f"| {arm} | " + " | ".join(cells) + " |")
-    if "peer" in runs:
-        ratios = [
-            o["summary"]["tokens_per_s"] / p["summary"]["tokens_per_s"]
-            for o, p in zip(runs["ours"], runs["peer"], strict=True)
-        ]
-        print(f"\ntokens/s ours / peer: {', '.join(f'{x:.2f}' for x in ratios)}")
+    rates_table(runs, keys, "tokens_per_s", "tokens/s")
     print("\n| arm | steps | loss | MLM | decoder |")
     print("|---|---|---|---|---|")
     for arm, rs in runs.items():

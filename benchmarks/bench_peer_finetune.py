@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_peer import _ms, child_env, watch  # noqa: E402
+from bench_peer import _ms, child_env, rates_table, watch  # noqa: E402
 from common import DEFAULT_DATA, machine, write_json  # noqa: E402
 
 PEER = "sentence-transformers"
@@ -298,17 +298,7 @@ def report(runs, windows, args, skip) -> None:
         ("cpu_s_per_step", "CPU-s/step", "{:.2f}"),
         ("rss_peak_mib", "RSS peak MiB", "{:,.0f}"),
     ]
-    print("| arm | " + " | ".join(k[1] for k in keys) + " |")
-    print("|---" * (len(keys) + 1) + "|")
-    for arm, rs in runs.items():
-        cells = [_ms([r["summary"][k] for r in rs], fmt) for k, _, fmt in keys]
-        print(f"| {arm} | " + " | ".join(cells) + " |")
-    if "peer" in runs:
-        ratios = [
-            o["summary"]["queries_per_s"] / p["summary"]["queries_per_s"]
-            for o, p in zip(runs["ours"], runs["peer"], strict=True)
-        ]
-        print(f"\nqueries/s ours / peer: {', '.join(f'{x:.2f}' for x in ratios)}")
+    rates_table(runs, keys, "queries_per_s", "queries/s")
     print("\n| arm | " + " | ".join(f"loss {lo}-{hi}" for lo, hi in windows) + " |")
     print("|---" * (len(windows) + 1) + "|")
     for arm, rs in runs.items():
