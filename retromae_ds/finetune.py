@@ -311,8 +311,9 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     hooks = Hooks(
         write_models=write_models,
         metrics=("loss", "accuracy"),
-        counts=lambda batch: {
-            "tokens": int(batch["q_mask"].sum() + batch["p_mask"].sum()),
+        counts=lambda batch: {  # tokens stay on the device: no read per step
+            "tokens": batch["q_mask"].sum() + batch["p_mask"].sum(),
+            "slots": batch["q_mask"].numel() + batch["p_mask"].numel(),
             "queries": batch_size,
         },
         consumed=lambda batch: batch_size,

@@ -179,13 +179,19 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
     hooks = Hooks(
         write_models=write_models,
         metrics=metrics,
-        counts=lambda batch: {"tokens": int(batch["attention_mask"].sum())},
+        counts=_token_counts,
         consumed=lambda batch: len(batch["sample_index"]),
         marker=lambda: {"objective": cfg.model.objective.name},
         evaluate=evaluate,
         eval_every=cfg.eval.every,
     )
     return trainer.fit(_epochs(loader, sampler, collator), hooks)
+
+
+def _token_counts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:
+    """Real tokens (a device tensor: no read per step) and the padded batch's positions."""
+    mask = batch["attention_mask"]
+    return {"tokens": mask.sum(), "slots": mask.numel()}
 
 
 def _periodic_eval(

@@ -20,6 +20,7 @@ from retromae_ds import sbert
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.eval.encode import pool
+from retromae_ds.modeling.encoder import encode
 
 
 def load_body(folder: str | Path) -> nn.Module:
@@ -54,9 +55,17 @@ class DualEncoder(nn.Module):
         self.query_encoder = query_encoder
         self.pooling, self.normalize, self.temperature = pooling, normalize, temperature
 
+    def compile_parts(self, backend: str = "inductor", device_type: str = "cpu") -> list[nn.Module]:
+        """``torch.compile`` each tower in place (``--compile``: whole graphs, dynamic shapes,
+        state-dict keys unchanged); pooling and the loss stay eager."""
+        parts = [t for t in (self.encoder, self.query_encoder) if t is not None]
+        for part in parts:
+            part.compile(fullgraph=True, dynamic=True, backend=backend)
+        return parts
+
     def embed(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, *, query: bool) -> torch.Tensor:
         tower = self.query_encoder if query and self.query_encoder is not None else self.encoder
-        hidden_BLD = tower(input_ids=ids_BL, attention_mask=mask_BL).last_hidden_state
+        hidden_BLD = encode(tower, ids_BL, mask_BL)
         emb_BD = pool(hidden_BLD, mask_BL, self.pooling)
         return nn.functional.normalize(emb_BD, dim=-1) if self.normalize else emb_BD
 

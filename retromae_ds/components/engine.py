@@ -233,6 +233,14 @@ def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum over ranks (every rank must call it)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        values = values.clone()
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return values
+
+
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (picklable objects; every rank must call it)."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

@@ -132,6 +132,26 @@ def mlm_head(model: nn.Module) -> nn.Module:
     raise TypeError(f"{type(model).__name__}: no MLM head found (expected .cls or .lm_head)")
 
 
+def padding_mask_4d(attention_mask_BL: torch.Tensor) -> torch.Tensor:
+    """The [B, 1, 1, L] boolean key-padding mask (True: attend) of a [B, L] 0/1 mask.
+
+    transformers' SDPA path checks a 2-D mask for padding (``mask.all()``) to skip the mask
+    when there is none: a read from the device at every forward, so a GPU waits for the host
+    every step. A 4-D mask is used as it is, with no such check, and broadcasts inside SDPA's
+    kernels; outputs are bit-identical to the 2-D path's (tests/test_host_reads.py)."""
+    return attention_mask_BL[:, None, None, :].bool()
+
+
+# attention implementations that take a boolean 4-D mask as SDPA does (eager adds the mask)
+_BOOL_MASK_ATTENTION = ("sdpa", "sdpa_broadcast_mask")
+
+
 def encode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last-layer hidden states [B, L, H] of the encoder body."""
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    """Last-layer hidden states [B, L, H] of the encoder body. With SDPA attention the padding
+    mask goes in as ``padding_mask_4d``: no read from the device."""
+    body = model.base_model
+    implementation = getattr(body.config, "_attn_implementation", None)
+    mask = attention_mask
+    if attention_mask.dim() == 2 and implementation in _BOOL_MASK_ATTENTION:
+        mask = padding_mask_4d(attention_mask)
+    return body(input_ids=input_ids, attention_mask=mask).last_hidden_state

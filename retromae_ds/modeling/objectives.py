@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retromae_ds.attention import TwoStreamSpec, WindowSpec
+from retromae_ds.attention import TwoStreamSpec, WindowSpec, resolve_backend
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import encode, mlm_head
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
@@ -122,6 +122,34 @@ class PretrainModel(nn.Module):
         if parts is None:
             return []
         return [p for p in (parts.weight, parts.bias) if p is not None]
+
+    def compile_parts(self, backend: str = "inductor", device_type: str = "cpu") -> list[nn.Module]:
+        """``torch.compile`` the encoder body and the decoder layers in place (``--compile``):
+        whole graphs (``fullgraph``: a graph break is an error), dynamic in batch and length
+        from the first call (one graph serves every padded length, no recompilation), the
+        parameters and state-dict keys unchanged; returns the compiled modules. The
+        vocabulary loss stays eager (its number of predictions changes every batch), and so
+        does a decoder whose attention resolves to the ``chunked`` backend on ``device_type``
+        (a Python loop over query chunks with its own backward, which dynamo cannot trace
+        with a symbolic length; CUDA's ``flex`` and the ``window`` and ``reference`` backends
+        compile)."""
+        parts: list[nn.Module] = [self.encoder.base_model]
+        if self.objective.name == "retromae":
+            rule = TwoStreamSpec
+            decoder_layers = [self.decoder]
+        elif self.objective.name == "seed":
+            strong = self.objective.strong_decoder
+            rule = WindowSpec(torch.zeros(1), None if strong else self.objective.window)
+            decoder_layers = list(self.decoder)
+        else:
+            decoder_layers = []
+        for layer in decoder_layers:
+            spec = rule if not isinstance(rule, type) else None
+            if resolve_backend(layer.backend, device_type, spec) != "chunked":
+                parts.append(layer)
+        for part in parts:
+            part.compile(fullgraph=True, dynamic=True, backend=backend)
+        return parts
 
     def vocab_loss(
         self, features_NH: torch.Tensor, targets_N: torch.Tensor

@@ -86,10 +86,30 @@ class RunConfig:
     """Show a progress bar on rank 0."""
     stop_signals: list[str] = resumable(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     """Signals that stop the run cleanly: every rank finishes the current optimizer step, a
-    complete checkpoint is written, and the process exits with EXIT_REQUEUE (85). [] disables."""
+    complete checkpoint is written, and the process exits with EXIT_REQUEUE (85). One process
+    stops after the step in which the signal came; several ranks agree at the next log row or
+    checkpoint step (no per-step collective), so keep the requeue lead (slurm/*.sh: 300 s)
+    longer than ``log_every`` steps. [] disables."""
     stop_on_nonfinite: bool = resumable(True)
     """Stop the run with an error, saving nothing, when a loss is NaN or infinite on any rank
-    (the last checkpoint stays the newest); false trains on."""
+    (the last checkpoint stays the newest); false trains on. Checked on the device at every
+    step and read at log rows and checkpoint steps only, so the error comes at the next of
+    those and names the step the loss went bad."""
+    autocast: str = ""
+    """``bf16``: forward passes under ``torch.autocast(bfloat16)`` while DeepSpeed keeps the
+    weights, gradients and optimizer state in fp32 (use with ``ds_configs/fp32.json``):
+    bf16 compute, fp32 master weights, the plain torch AMP loop's semantics. Unlike
+    ``ds_configs/bf16.json`` (DeepSpeed's bf16 optimizer, which reads every parameter's
+    gradient back from the device to check it for overflow at each step) the ZeRO-0 engine
+    then reads nothing from the device between log rows. ``""``: as the DeepSpeed config
+    says."""
+    compile: bool = False
+    """``torch.compile`` the model's heavy parts (the encoder body and the pre-training
+    decoder, or the fine-tuning towers) as whole graphs with dynamic lengths; the vocabulary
+    loss and the optimizer stay eager. The first steps take the compile time."""
+    compile_backend: str = "inductor"
+    """torch.compile backend of ``compile``: ``inductor`` generates kernels; ``aot_eager``
+    traces forward and backward without generating code (what the CPU tests use)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = resumable(default_factory=CheckpointConfig)
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
@@ -101,6 +121,8 @@ class RunConfig:
             raise ValueError("micro_batch_size and grad_accum must be >= 1")
         if self.log_every < 1:
             raise ValueError("log_every must be >= 1")
+        if self.autocast not in ("", "bf16"):
+            raise ValueError(f"autocast must be '' or bf16, not {self.autocast!r}")
         self.stop_signals = [name for name in self.stop_signals if name]
         for name in self.stop_signals:
             signal_number(name)  # fails naming the signal

@@ -133,8 +133,10 @@ class Hooks:
     staging folder."""
     metrics: tuple[str, ...] = ("loss",)
     """Model outputs averaged (over steps and ranks) into each log row."""
-    counts: Callable[[dict[str, torch.Tensor]], dict[str, int]] = lambda batch: {}
-    """Per micro-batch counts, logged as ``{name}_per_s`` (e.g. tokens)."""
+    counts: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor | int]] = lambda batch: {}
+    """Per micro-batch counts, logged as ``{name}_per_s`` and ``{name}_seen`` (e.g. tokens):
+    host ints or device tensors, which are summed on the device and read at log rows only.
+    ``tokens`` beside ``slots`` (the batch's padded positions) logs ``pad_fraction``."""
     consumed: Callable[[dict[str, torch.Tensor]], int] = lambda batch: 0
     """Samples of the sampler a micro-batch used (the sampler advances by it)."""
     marker: Callable[[], dict[str, Any]] = _nothing
@@ -177,6 +179,20 @@ class Trainer:
             grad_clip=cfg.optim.grad_clip,
             cuda=dist.device.type == "cuda",
         )
+        if cfg.compile:
+            compile_parts = getattr(model, "compile_parts", None)
+            if compile_parts is None:
+                raise ValueError(f"compile: {type(model).__name__} names no parts to compile")
+            if self.ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+                raise ValueError("compile: not with ZeRO-3 (its parameter hooks break graphs)")
+            compile_parts(backend=cfg.compile_backend, device_type=dist.device.type)
+        if cfg.autocast and any(
+            self.ds_config.get(kind, {}).get("enabled") for kind in ("bf16", "fp16")
+        ):
+            raise ValueError(
+                f"autocast {cfg.autocast} keeps fp32 weights: use it with ds_configs/fp32.json, "
+                "not a DeepSpeed config that enables bf16 or fp16"
+            )
         self.engine = eng.initialize(model, optimizer, self.scheduler, self.ds_config)
         self.checkpoints = CheckpointManager(
             self.layout,
@@ -191,6 +207,12 @@ class Trainer:
         self.hooks: Hooks | None = None
         self.state: dict[str, Stateful] = {}
         """The task's per-rank state (``resume``), saved at every checkpoint."""
+        self._pending: dict[str, torch.Tensor | int] = {}
+        """Counts since the last fold, still on the device (``_fold_counts``)."""
+        self._counts: dict[str, float] = {}
+        """The log window's counts (host)."""
+        self._window: list[torch.Tensor] = []
+        """The log window's metrics, one stacked tensor per micro-batch (device)."""
 
     # -- set-up -------------------------------------------------------------------------
     def resume(self, state: Mapping[str, Stateful] | None = None) -> Restored | None:
@@ -245,6 +267,7 @@ class Trainer:
         """A complete checkpoint of ``step`` (collective: every rank calls it). A full disk is
         one error naming the folder and the space needed; the partial folder is removed and
         the newest complete checkpoint stays the one a rerun resumes from."""
+        self._fold_counts()  # the token totals a checkpoint holds include this window's
         try:
             self.checkpoints.save(
                 self.engine,
@@ -278,15 +301,26 @@ class Trainer:
     def fit(self, batches: Iterator[dict[str, torch.Tensor]], hooks: Hooks) -> dict[str, Any]:
         """Train from ``self.step`` to ``max_steps`` (or ``stop_at_step``, or a stop signal);
         returns the last log row on every rank. Raises StopRequested after a stop signal (its
-        checkpoint is complete)."""
+        checkpoint is complete).
+
+        Nothing is read back from the device between sync steps (log rows, checkpoints, the
+        last step): losses, counts and the first non-finite step stay on the device, so a GPU
+        never waits for the host. A sync step reads them (one all-reduce + one read for the
+        checks) and, before any checkpoint, refuses a non-finite loss. A stop signal is acted
+        on at once in a one-process run (the flag lives on the host) and at the next sync step
+        when several ranks must agree."""
         cfg, dist, engine = self.cfg, self.dist, self.engine
         if self.logger is None:
             self.start_log()
         step, micro, stopping = self.step, 0, False
         last: dict[str, Any] = {}
-        window: list[torch.Tensor] = []
-        counts: dict[str, float] = {}
-        bad_loss = torch.zeros((), dtype=torch.bool, device=dist.device)
+        self._window, self._pending, self._counts = [], {}, {}
+        first_bad = torch.zeros((), dtype=torch.int64, device=dist.device)
+        trim_each_step = dist.device.type == "cpu"
+        checks = bool(self.stop.signals) or cfg.stop_on_nonfinite
+        autocast = torch.autocast(
+            dist.device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16"
+        )
         try:
             if hooks.evaluate is not None and step == 0:
                 self._eval_row(step, hooks)
@@ -294,38 +328,43 @@ class Trainer:
             while step < self.max_steps:
                 batch = next(batches)
                 batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
-                out = engine(batch)
-                if cfg.stop_on_nonfinite:
-                    bad_loss |= ~torch.isfinite(out["loss"].detach())
+                with autocast:
+                    out = engine(batch)
+                if cfg.stop_on_nonfinite:  # the first step with a non-finite loss, on device
+                    bad = ~torch.isfinite(out["loss"].detach()) & (first_bad == 0)
+                    first_bad = torch.where(bad, step + 1, first_bad)
                 engine.backward(out["loss"])
                 engine.step()
                 self.sampler.advance(hooks.consumed(batch))
                 for name, n in hooks.counts(batch).items():
-                    counts[name] = counts.get(name, 0) + n
-                    self.seen[name] = self.seen.get(name, 0) + n
-                window.append(torch.stack([out[k].detach().float() for k in hooks.metrics]))
+                    self._pending[name] = self._pending.get(name, 0) + n
+                self._window.append(torch.stack([out[k].detach().float() for k in hooks.metrics]))
                 micro += 1
                 if micro % cfg.grad_accum:
                     continue
                 step += 1
                 self.step = step
-                memory.release_freed_memory()  # flat RSS over a long run (components/memory.py)
+                every = cfg.checkpoint.every_steps
+                saves = bool(every) and step % every == 0 and step < self.max_steps
+                logs = step % cfg.log_every == 0 or step == self.max_steps
+                sync = logs or saves or step == cfg.stop_at_step
+                if trim_each_step or sync:  # flat host RSS (components/memory.py)
+                    memory.release_freed_memory()
                 faults.pause("sleep_after_step_s")
-                # every rank joins the all-reduce at every step, so all stop at the same step
-                if self.stop.signals or cfg.stop_on_nonfinite:
-                    stopping, nonfinite = eng.any_ranks(
-                        [self.stop.received is not None, bool(bad_loss)], dist.device
-                    )
-                    if nonfinite:
+                one_rank_stop = dist.world_size == 1 and self.stop.received is not None
+                if checks and (sync or one_rank_stop):
+                    # every rank reaches the same sync steps, so all stop at the same step
+                    stopping, bad_step = self._agree(first_bad)
+                    if bad_step:
                         raise NonFiniteLoss(
-                            f"non-finite loss at step {step} (a rank's loss was NaN or "
-                            f"infinite); stopped without saving, the newest checkpoint is "
-                            f"step {self.checkpoints.newest_step()} "
+                            f"non-finite loss at step {bad_step} (a rank's loss was NaN or "
+                            f"infinite; found at step {step}); stopped without saving, the "
+                            f"newest checkpoint is step {self.checkpoints.newest_step()} "
                             "(--stop_on_nonfinite false trains on)"
                         )
-                if step % cfg.log_every == 0 or step == self.max_steps:
-                    last = self._log_row(step, window, counts, time.perf_counter() - t_last, hooks)
-                    window, counts, t_last = [], {}, time.perf_counter()
+                if logs:
+                    last = self._log_row(step, time.perf_counter() - t_last, hooks)
+                    t_last = time.perf_counter()
                 if hooks.evaluate is not None and (
                     step == self.max_steps or (hooks.eval_every and step % hooks.eval_every == 0)
                 ):
@@ -336,8 +375,7 @@ class Trainer:
                     t_last += time.perf_counter() - t_eval
                 if hooks.after_step is not None:
                     hooks.after_step(step)
-                every = cfg.checkpoint.every_steps
-                if every and step % every == 0 and step < self.max_steps:
+                if saves:
                     self.save(step, hooks)
                 self.logger.advance(step)
                 if step == cfg.stop_at_step or stopping:
@@ -357,24 +395,49 @@ class Trainer:
             raise StopRequested(step)
         return last
 
-    def _log_row(
-        self,
-        step: int,
-        window: list[torch.Tensor],
-        counts: dict[str, float],
-        seconds: float,
-        hooks: Hooks,
-    ) -> dict[str, Any]:
-        """Means over the window and all ranks; rates summed over ranks."""
+    def _agree(self, first_bad: torch.Tensor) -> tuple[bool, int]:
+        """(a stop signal reached some rank, the earliest non-finite step of any rank or 0):
+        one all-reduce and one read, at a sync step (collective)."""
+        none = torch.iinfo(torch.int64).max
+        earliest = torch.where(first_bad == 0, none, first_bad)
+        flags = torch.stack(
+            [torch.tensor(int(self.stop.received is not None), device=earliest.device), -earliest]
+        )
+        stop, neg_earliest = eng.all_reduce_max(flags).tolist()
+        return bool(stop), 0 if -neg_earliest == none else -neg_earliest
+
+    def _fold_counts(self) -> None:
+        """Move the counts accumulated on the device since the last fold into the window's
+        and the run's totals (one read)."""
+        pending, self._pending = self._pending, {}
+        on_device = [name for name, v in pending.items() if isinstance(v, torch.Tensor)]
+        values = {name: float(v) for name, v in pending.items() if name not in on_device}
+        if on_device:
+            read = torch.stack([pending[n].double() for n in on_device]).tolist()
+            values.update(zip(on_device, read, strict=True))
+        for name, value in values.items():
+            self._counts[name] = self._counts.get(name, 0) + value
+            self.seen[name] = self.seen.get(name, 0) + value
+
+    def _log_row(self, step: int, seconds: float, hooks: Hooks) -> dict[str, Any]:
+        """Means over the window's micro-batches and all ranks; rates summed over ranks. A
+        ``tokens`` count beside a ``slots`` count (the padded batch's positions) also gives
+        the window's ``pad_fraction``: the share of the computed positions that were padding."""
         world = self.dist.world_size
-        means = eng.all_reduce_mean(torch.stack(window).mean(0))
+        self._fold_counts()
+        window, counts = self._window, self._counts
+        self._window, self._counts = [], {}
+        means = eng.all_reduce_mean(torch.stack(window).mean(0)).tolist()
         row: dict[str, Any] = {"step": step}
-        row.update({k: float(v) for k, v in zip(hooks.metrics, means, strict=True)})
+        row.update(zip(hooks.metrics, means, strict=True))
         row["lr"] = float(self.scheduler.get_last_lr()[0])
         if counts:
-            totals = eng.all_reduce_mean(torch.tensor([float(v) for v in counts.values()]))
-            for name, total in zip(counts, totals, strict=True):
-                row[f"{name}_per_s"] = float(total) * world / seconds
+            totals = eng.all_reduce_mean(torch.tensor(list(counts.values()), dtype=torch.float64))
+            summed = {name: t * world for name, t in zip(counts, totals.tolist(), strict=True)}
+            for name, total in summed.items():
+                row[f"{name}_per_s"] = total / seconds
+            if summed.get("slots"):
+                row["pad_fraction"] = 1.0 - summed.get("tokens", 0.0) / summed["slots"]
         row["epoch"] = self.sampler.epoch
         row.update(self._seen_totals())
         row.update(hooks.log_fields())
@@ -383,12 +446,14 @@ class Trainer:
 
     def _seen_totals(self) -> dict[str, float]:
         """``{NAME_seen: total over ranks}`` of the counts so far (collective)."""
+        self._fold_counts()
         if not self.seen:
             return {}
         names = sorted(self.seen)
-        means = eng.all_reduce_mean(torch.tensor([float(self.seen[n]) for n in names]))
+        totals = torch.tensor([float(self.seen[n]) for n in names], dtype=torch.float64)
+        means = eng.all_reduce_mean(totals).tolist()
         world = self.dist.world_size
-        return {f"{n}_seen": round(float(m) * world) for n, m in zip(names, means, strict=True)}
+        return {f"{n}_seen": round(m * world) for n, m in zip(names, means, strict=True)}
 
     def _eval_row(self, step: int, hooks: Hooks) -> None:
         """Rank 0 scores the current weights (``hooks.evaluate``) and logs them with the step
