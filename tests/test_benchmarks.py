@@ -157,3 +157,20 @@ def test_bench_peer_finetune_smoke_runs_both_arms_or_names_why_not(tmp_path, sha
         return
     (peer,) = rows["runs"]["peer"]
     assert peer["summary"]["steps"] == 4 and peer["summary"]["loss_1_4"] > 0
+
+
+def test_bench_engine_runs_every_arm_and_counts_device_reads(tmp_path):
+    rows = _run(
+        "bench_engine.py",
+        *("--size", "tiny", "--length", "32", "--batch", "2", "--steps", "2", "--repeats", "1"),
+        *("--dtype", "bf16", "--grad-accum", "2"),
+        tmp_path=tmp_path,
+    )
+    by_arm = {r["arm"]: r for r in rows}
+    assert set(by_arm) == {"plain", "zero0", "zero1", "zero2", "zero2-ds-bf16", "zero0-ds-bf16"}
+    for r in rows:
+        assert "error" not in r and r["tokens_per_s"] > 0, r
+    # the plain loop and ZeRO-0 under --autocast read nothing per step; DeepSpeed's bf16
+    # optimizer checks each gradient for overflow with a read of its own
+    assert by_arm["plain"]["reads_per_step"] == 0 and by_arm["zero0"]["reads_per_step"] == 0
+    assert by_arm["zero0-ds-bf16"]["reads_per_step"] > by_arm["zero2"]["reads_per_step"] > 0

@@ -141,3 +141,21 @@ def test_pretrain_with_compile_trains_on_the_deepspeed_engine_as_eager_does(
     for a, b in zip(eager, compiled, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a, b)
         assert b["decoder_loss"] == pytest.approx(a["decoder_loss"], rel=1e-4), (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_retromae_compiles_with_inductor_and_flex_on_cuda():
+    """On CUDA the decoder's attention is FlexAttention, which compiles with the layer:
+    encoder and decoder as Inductor graphs, dynamic lengths, losses equal eager's."""
+    torch.manual_seed(0)
+    encoder = build_encoder(
+        EncoderConfig(name="tiny", dropout=0.0), SPECIAL.vocab_size, SPECIAL.pad
+    )
+    eager = PretrainModel(encoder, ObjectiveConfig(name="retromae")).cuda()
+    compiled = copy.deepcopy(eager)
+    assert len(compiled.compile_parts(backend="inductor", device_type="cuda")) == 2
+    for batch in _batches(4, seed=5):
+        batch = {k: v.cuda() for k, v in batch.items()}
+        a, b = eager(batch)["loss"], compiled(batch)["loss"]
+        assert float(b) == pytest.approx(float(a), rel=1e-3)
