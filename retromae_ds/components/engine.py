@@ -225,19 +225,30 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def _on_backend_device(values: torch.Tensor) -> torch.Tensor:
+    """A copy of ``values`` where the process group can reduce it: NCCL reduces CUDA tensors
+    only, so a host tensor (token totals) goes to this rank's GPU and back."""
+    if values.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        return values.to(torch.device("cuda", torch.cuda.current_device()))
+    return values.clone()
+
+
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise mean over ranks, on ``values``' device (every rank must call it)."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        values = values.clone()
-        torch.distributed.all_reduce(values)
-        values /= torch.distributed.get_world_size()
+        reduced = _on_backend_device(values)
+        torch.distributed.all_reduce(reduced)
+        reduced /= torch.distributed.get_world_size()
+        return reduced.to(values.device)
     return values
 
 
 def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum over ranks (every rank must call it)."""
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        values = values.clone()
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+        reduced = _on_backend_device(values)
+        torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+        return reduced.to(values.device)
     return values
 
 
