@@ -4,8 +4,10 @@ process by tests/test_host_reads.py.
 ``python tests/host_reads.py OUT.json JOB ARGS...`` runs ``retromae_ds.JOB.main(ARGS)``
 (``pretrain`` or ``finetune``) with every tensor method that hands a value back to Python
 (``item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``, ``__float__``, ``__int__``,
-``__index__``) wrapped. On a GPU each such call waits for the device to finish the work
-queued so far. A read is counted when it happens inside ``Trainer.fit``, outside the batch
+``__index__``) wrapped, and with a dispatch mode counting the operators whose output size
+depends on device data (``nonzero``, ``masked_select``, ``unique``, ...: boolean indexing
+is one) or that copy a value to the host (``_local_scalar_dense``). On a GPU each such call
+waits for the device to finish the work queued so far. A read is counted when it happens inside ``Trainer.fit``, outside the batch
 iterator (the collator builds batches on the host before they reach the device), and is
 attributed to the optimizer step being computed. Reads whose caller is the optimizer's
 own code (``torch/optim``: its ``step`` counters are host tensors unless the optimizer is
@@ -22,6 +24,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from retromae_ds.training import loop
 
@@ -32,9 +35,13 @@ HOST_SIDE = ("/torch/optim/",)
 
 
 def _caller() -> str:
-    """The innermost frame outside this file and torch's tensor wrappers."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if frame.filename.endswith(("host_reads.py", "torch/_tensor.py")):
+    """The innermost frame outside this file and torch's tensor wrappers; ``HOST_SIDE`` when
+    the optimizer's code is on the stack (its wrappers hide it from the innermost frame)."""
+    stack = traceback.extract_stack()[:-2]
+    if any(part in frame.filename for frame in stack for part in HOST_SIDE):
+        return HOST_SIDE[0]
+    for frame in reversed(stack):  # torch's own wrappers say nothing of who asked
+        if frame.filename.endswith("host_reads.py") or "/torch/" in frame.filename:
             continue
         return f"{frame.filename}:{frame.lineno}"
     return "?"
@@ -51,6 +58,27 @@ def _wrap(name: str) -> None:
         return original(self, *args, **kwargs)
 
     setattr(torch.Tensor, name, counted)
+
+
+SYNC_OPS = ("nonzero", "masked_select", "_local_scalar_dense", "unique", "_unique2")
+BOOL_INDEXING = ("index", "index_put", "_index_put_impl")
+
+
+class _SyncOps(TorchDispatchMode):
+    """Counts operators that make a GPU wait for its queue, wherever they are called from."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in BOOL_INDEXING and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ())
+        ):
+            name = "nonzero"  # indexing by a boolean mask runs nonzero inside the kernel
+        if STATE["active"] and name in SYNC_OPS:
+            where = _caller()
+            if not any(part in where for part in HOST_SIDE):
+                READS.append((STATE["step"], f"aten.{name}", where))
+        return func(*args, **(kwargs or {}))
 
 
 class _Paused:
@@ -81,7 +109,8 @@ def main(argv: list[str]) -> int:
         STATE["step"] = self.step
         STATE["active"] = True
         try:
-            return fit(self, _Paused(batches, self), hooks)
+            with _SyncOps():
+                return fit(self, _Paused(batches, self), hooks)
         finally:
             STATE["active"] = False
             out.write_text(json.dumps({"reads": READS, "steps": self.step}))

@@ -109,8 +109,13 @@ def test_fields_layout_against_a_python_construction(items, seed, epoch):
     batch = collate(items, seed=seed, epoch=epoch)
     B = len(items)
     width = -(-max(len(ids) + 2 for _, ids, _ in items) // 8) * 8
+    flat = {"label_positions": "labels", "decoder_label_positions": "decoder_labels"}
     for key, value in batch.items():
         assert value.dtype == torch.int64, key
+        if key in flat:  # where the labels are, flat and row-major
+            labels = batch[flat[key]].flatten()
+            assert value.tolist() == torch.nonzero(labels != IGNORE).flatten().tolist(), key
+            continue
         assert value.shape == (
             (B,) if key in ("sample_index", "lengths", "decoder_seed") else (B, width)
         ), key
@@ -138,7 +143,13 @@ def test_without_decoder_only_the_encoder_fields_are_made():
     full = collate(items)
     collator = PretrainCollator(BERT, MaskingConfig(), 8192, decoder=False)
     encoder_only = collator(items)
-    assert set(encoder_only) == {"input_ids", "attention_mask", "labels", "sample_index"}
+    assert set(encoder_only) == {
+        "input_ids",
+        "attention_mask",
+        "labels",
+        "label_positions",
+        "sample_index",
+    }
     for key, value in encoder_only.items():
         assert torch.equal(value, full[key]), key
 

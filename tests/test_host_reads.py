@@ -154,7 +154,9 @@ def test_deepspeeds_own_reads_per_step_are_known(tmp_path, shards):
     per_step = _between_sync_steps([r for r in reads if r[0] == 1])
     assert per_step and all("deepspeed" in where for _, where in per_step), per_step
     assert not any("retromae_ds" in where for _, where in per_step)
-    assert sum(per_step.values()) <= 4, per_step
+    # each Python-level read also shows as the aten._local_scalar_dense beneath it
+    python_level = {k: n for k, n in per_step.items() if not k[0].startswith("aten.")}
+    assert 1 <= sum(python_level.values()) <= 4, per_step
 
 
 def test_autocast_refuses_a_deepspeed_config_that_casts_the_weights(tmp_path, shards):
@@ -168,3 +170,36 @@ def test_autocast_refuses_a_deepspeed_config_that_casts_the_weights(tmp_path, sh
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert "autocast bf16 keeps fp32 weights" in result.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("objective", ["retromae", "seed", "mlm"])
+def test_gathering_predictions_by_position_equals_the_boolean_mask(objective):
+    """The collator's flat label positions (a gather whose size the host knows) give the same
+    losses and gradients, bit for bit, as the boolean mask they replace (whose nonzero makes
+    a GPU wait)."""
+    import torch
+
+    from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
+    from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
+
+    from helpers_model import SPECIAL, batch_of
+
+    batch = batch_of([9, 40, 17, 3])
+    assert batch["label_positions"].numel() == int((batch["labels"] != -100).sum())
+    results = []
+    for keep in (True, False):
+        torch.manual_seed(0)
+        encoder = build_encoder(
+            EncoderConfig(name="tiny", dropout=0.0), SPECIAL.vocab_size, SPECIAL.pad
+        )
+        model = PretrainModel(encoder, ObjectiveConfig(name=objective))
+        given = {k: v for k, v in batch.items() if keep or not k.endswith("label_positions")}
+        out = model(given)
+        out["loss"].backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((out["loss"].detach(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b)
+    assert len(grads_a) == len(grads_b) and all(
+        torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True)
+    )

@@ -163,14 +163,20 @@ class PretrainCollator:
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
             "labels": torch.from_numpy(labels),
+            # where the labels are, flat (b * L + i, row-major): the model gathers the
+            # predicted positions with them, so their number is known on the host and a GPU
+            # never waits for a boolean mask's nonzero
+            "label_positions": torch.from_numpy(np.flatnonzero(labels.ravel() != IGNORE)),
             "sample_index": torch.from_numpy(indices),
         }
         if self.decoder:
             decoder_labels = np.full((B, L), IGNORE, dtype=np.int64)
             decoder_labels[rows, cols] = np.where(special_token, IGNORE, content_ids)
+            positions = np.flatnonzero(decoder_labels.ravel() != IGNORE)
             batch.update(
                 original_ids=torch.from_numpy(ids),
                 decoder_labels=torch.from_numpy(decoder_labels),
+                decoder_label_positions=torch.from_numpy(positions),
                 word_ids=torch.from_numpy(word_ids),
                 lengths=torch.from_numpy(lengths),
                 decoder_seed=torch.from_numpy(

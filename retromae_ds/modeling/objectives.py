@@ -176,13 +176,12 @@ class PretrainModel(nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden_BLH = encode(self.encoder, batch["input_ids"], batch["attention_mask"])
-        labels = batch["labels"]
-        masked = labels != IGNORE
-        mlm_loss, mlm_accuracy = self.vocab_loss(hidden_BLH[masked], labels[masked])
+        features_NH, targets_N = _predicted(hidden_BLH, batch, "labels", "label_positions")
+        mlm_loss, mlm_accuracy = self.vocab_loss(features_NH, targets_N)
         out = {
             "mlm_loss": mlm_loss.detach(),
             "mlm_accuracy": mlm_accuracy,
-            "mlm_tokens": masked.sum().detach(),
+            "mlm_tokens": torch.full((), len(targets_N), device=targets_N.device),
         }
         loss = self.objective.mlm_weight * mlm_loss
         if self.objective.name != "mlm":
@@ -207,7 +206,7 @@ class PretrainModel(nn.Module):
             batch["word_ids"], batch["lengths"], batch["decoder_seed"], self.decoder_ratio
         )
         dec_BLH = self.decoder(query_BLH, kv_BLH, spec)
-        return self._reconstruction(dec_BLH, batch["decoder_labels"])
+        return self._reconstruction(dec_BLH, batch)
 
     def _seed_loss(
         self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor]
@@ -221,15 +220,34 @@ class PretrainModel(nn.Module):
         spec = WindowSpec(batch["lengths"], window)
         for layer in self.decoder:
             x_BLH = layer(x_BLH, x_BLH, spec)
-        return self._reconstruction(x_BLH, batch["decoder_labels"])
+        return self._reconstruction(x_BLH, batch)
 
     def _reconstruction(
-        self, dec_BLH: torch.Tensor, targets_BL: torch.Tensor
+        self, dec_BLH: torch.Tensor, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cross-entropy, detached token accuracy) of the decoder's predictions at the
         labelled positions."""
-        sel = targets_BL != IGNORE
-        return self.vocab_loss(dec_BLH[sel], targets_BL[sel])
+        features_NH, targets_N = _predicted(
+            dec_BLH, batch, "decoder_labels", "decoder_label_positions"
+        )
+        return self.vocab_loss(features_NH, targets_N)
+
+
+def _predicted(
+    hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], labels: str, positions: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features [N, H], targets [N]) at the labelled positions, row-major. With the
+    collator's flat ``positions`` this is a gather whose size the host knows; a batch
+    without them (built elsewhere) falls back to the boolean mask, whose nonzero makes a GPU
+    wait for the host."""
+    labels_BL = batch[labels]
+    if positions not in batch:
+        selected = labels_BL != IGNORE
+        return hidden_BLH[selected], labels_BL[selected]
+    flat_N = batch[positions]
+    return hidden_BLH.flatten(0, 1).index_select(0, flat_N), labels_BL.flatten().index_select(
+        0, flat_N
+    )
 
 
 def _checked_parts(head: nn.Module) -> HeadParts:
