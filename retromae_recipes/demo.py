@@ -112,6 +112,7 @@ def run_demo(
         finetune_objectives={"bert": list(objectives)},
         vocab_size=budget["vocab_size"],
         mask_ratio=budget["mask_ratio"],
+        length_grouping=budget.get("length_grouping", 0),
         base_steps=base_steps,
         base_lr=budget["base_lr"],
         pretrain_steps={"bert": steps},

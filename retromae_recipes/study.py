@@ -183,7 +183,9 @@ class Study:
             micro_batch_size=cfg.base_batch,
             log_every=max(1, cfg.base_steps // 20),
             progress=False,
-            data=DataConfig(shards=str(self.shards_dir("bert"))),
+            data=DataConfig(
+                shards=str(self.shards_dir("bert")), length_grouping=cfg.length_grouping
+            ),
             model=ModelConfig(
                 encoder=EncoderConfig(name=cfg.base_encoder, max_position_embeddings=positions),
                 objective=ObjectiveConfig(name="mlm"),
@@ -209,7 +211,9 @@ class Study:
             micro_batch_size=cfg.pretrain_batch[start],
             log_every=max(1, steps // 10),
             progress=False,
-            data=DataConfig(shards=str(self.shards_dir(start))),
+            data=DataConfig(
+                shards=str(self.shards_dir(start)), length_grouping=cfg.length_grouping
+            ),
             masking=MaskingConfig(encoder_ratio=cfg.mask_ratio),
             model=ModelConfig(
                 encoder=self.encoder_config(start),
