@@ -246,6 +246,7 @@ def test_cmd_eval_writes_json(tiny_model_dir, tmp_path):
     assert cli_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["settings"]["pooling"] == "mean" and result["settings"]["dim"] == 32
+    assert result["settings"]["device"] == "cpu"
     assert result["num_queries"] == 4 and set(result["metrics"]) == {
         "ndcg@10",
         "mrr@10",

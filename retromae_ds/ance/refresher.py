@@ -68,6 +68,7 @@ from retromae_ds.ance.stages import (
     encode_stage,
     merge_stage,
     open_work,
+    pick_device,
     search_stage,
 )
 from retromae_ds.components import checkpoint as ckpt
@@ -205,7 +206,12 @@ def refresh_once(
             keep_last=cfg.keep_last,
             step=step,
             source={"source": "model", "checkpoint": checkpoint.name},
-            extra={"ranks": group.world, "embedding_cache": job.cached},
+            extra={
+                "ranks": group.world,
+                "embedding_cache": job.cached,
+                "device": str(pick_device(cfg, group.local_rank)),
+                "index": cfg.index,
+            },
             timings=job.timings,
         )
         _record(layout, manifest, filtered)

@@ -296,7 +296,9 @@ def search_stage(job: Job, passages: np.ndarray, queries: np.ndarray, lo: int) -
 
     cfg, timings = job.cfg, job.timings
     t0 = time.perf_counter()
-    index = ExactIndex(passages.shape[1], backend=cfg.index)
+    # the torch backend searches on the refresher's own device (its GPU for this rank)
+    device = pick_device(cfg, job.group.local_rank)
+    index = ExactIndex(passages.shape[1], backend=cfg.index, device=device)
     index.add(passages)
     timings["index_build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -264,6 +264,8 @@ def evaluate_beir(
             "metric": metric,
             "ignore_identical_ids": ignore_identical_ids,
             "dim": int(corpus_emb.shape[1]),
+            # where the encoder ran (an encoder given as a callable: not known here)
+            "device": str(encoder.device) if isinstance(encoder, HFEncoder) else None,
         },
         "seconds": {name: round(value, 3) for name, value in seconds.items()},
         "per_query": per_query,

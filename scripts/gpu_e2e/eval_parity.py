@@ -73,6 +73,10 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
         f"{diff:.4f} (tolerance {TOL}); {first['num_queries']} queries, "
         f"{first['num_corpus']} abstracts, max length {size['max_length']}"
     )
+    ran_on = {arm: r["settings"].get("device") for arm, r in results.items()}
+    figures["ran_on"] = ran_on
+    if not all(str(ran_on[arm]).startswith(devices[arm]) for arm in devices):
+        raise CheckFailed(f"the encoders ran on {ran_on}, not {devices}", figures)
     if min(ndcg.values()) < FLOOR:
         raise CheckFailed(f"nDCG@10 below {FLOOR} for MiniLM: {verdict}", figures)
     if diff > TOL:

@@ -105,6 +105,8 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
     if (refresh_cfg.get("device"), refresh_cfg.get("index")) != (args.device, "torch"):
         raise CheckFailed(f"refresher ran with {refresh_cfg}", figures)
     first = manifests[mined[0]]
+    if not str(first.get("device", "")).startswith(args.device):
+        raise CheckFailed(f"v{mined[0]} was mined on {first.get('device')!r}", figures)
     timings = first.get("timings", {})
     verdict = (
         f"model-mined negatives v{mined[0]} (from step {first.get('step')}, refresher on "
