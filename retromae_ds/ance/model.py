@@ -20,7 +20,7 @@ from retromae_ds import sbert
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.eval.encode import pool
-from retromae_ds.modeling.encoder import encode
+from retromae_ds.modeling.encoder import compile_whole, encode
 
 
 def load_body(folder: str | Path) -> nn.Module:
@@ -58,10 +58,9 @@ class DualEncoder(nn.Module):
     def compile_parts(self, backend: str = "inductor", device_type: str = "cpu") -> list[nn.Module]:
         """``torch.compile`` each tower in place (``--compile``: whole graphs, dynamic shapes,
         state-dict keys unchanged); pooling and the loss stay eager."""
-        parts = [t for t in (self.encoder, self.query_encoder) if t is not None]
-        for part in parts:
-            part.compile(fullgraph=True, dynamic=True, backend=backend)
-        return parts
+        return compile_whole(
+            [t for t in (self.encoder, self.query_encoder) if t is not None], backend
+        )
 
     def embed(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, *, query: bool) -> torch.Tensor:
         tower = self.query_encoder if query and self.query_encoder is not None else self.encoder

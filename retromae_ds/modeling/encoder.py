@@ -142,6 +142,15 @@ def padding_mask_4d(attention_mask_BL: torch.Tensor) -> torch.Tensor:
     return attention_mask_BL[:, None, None, :].bool()
 
 
+def compile_whole(parts: list[nn.Module], backend: str) -> list[nn.Module]:
+    """``torch.compile`` each module in place as one whole graph (``fullgraph``: a graph
+    break is an error) with dynamic batch and length from the first call (no recompilation
+    per padded length); parameters and state-dict keys stay as they are. Returns ``parts``."""
+    for part in parts:
+        part.compile(fullgraph=True, dynamic=True, backend=backend)
+    return parts
+
+
 # attention implementations that take a boolean 4-D mask as SDPA does (eager adds the mask)
 _BOOL_MASK_ATTENTION = ("sdpa", "sdpa_broadcast_mask")
 

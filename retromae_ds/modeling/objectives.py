@@ -30,7 +30,7 @@ from torch import nn
 
 from retromae_ds.attention import TwoStreamSpec, WindowSpec, resolve_backend
 from retromae_ds.modeling.decoder import CrossStreamLayer
-from retromae_ds.modeling.encoder import encode, mlm_head
+from retromae_ds.modeling.encoder import compile_whole, encode, mlm_head
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
 from retromae_ds.special_tokens import IGNORE
 
@@ -135,21 +135,16 @@ class PretrainModel(nn.Module):
         compile)."""
         parts: list[nn.Module] = [self.encoder.base_model]
         if self.objective.name == "retromae":
-            rule = TwoStreamSpec
-            decoder_layers = [self.decoder]
+            parts += [self.decoder] if self._decoder_compiles(device_type, None) else []
         elif self.objective.name == "seed":
-            strong = self.objective.strong_decoder
-            rule = WindowSpec(torch.zeros(1), None if strong else self.objective.window)
-            decoder_layers = list(self.decoder)
-        else:
-            decoder_layers = []
-        for layer in decoder_layers:
-            spec = rule if not isinstance(rule, type) else None
-            if resolve_backend(layer.backend, device_type, spec) != "chunked":
-                parts.append(layer)
-        for part in parts:
-            part.compile(fullgraph=True, dynamic=True, backend=backend)
-        return parts
+            window = None if self.objective.strong_decoder else self.objective.window
+            spec = WindowSpec(torch.zeros(1), window)
+            parts += [layer for layer in self.decoder if self._decoder_compiles(device_type, spec)]
+        return compile_whole(parts, backend)
+
+    def _decoder_compiles(self, device_type: str, spec: WindowSpec | None) -> bool:
+        backend = self.objective.attention
+        return resolve_backend(backend, device_type, spec) != "chunked"
 
     def vocab_loss(
         self, features_NH: torch.Tensor, targets_N: torch.Tensor
