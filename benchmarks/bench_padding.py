@@ -8,9 +8,11 @@ which pads to the batch's longest row rounded up to a multiple of 8), under
 - ``shuffled``: the default sampler order;
 - ``grouped``: ``--data.length_grouping G`` (each group of G steps' samples sorted by
   length, ``LengthGroupedSampler``);
+- ``--data.packing``: the collator's packing of each micro-batch (``PackedLayout``,
+  first-fit decreasing into rows of at most ``max_length``), in either order;
 - ``packed (ideal)``: first-fit-decreasing packing of each group's rows into windows of
-  ``max_length`` (the bound a packing collator with a document mask could reach; it is
-  computed, not trained),
+  ``max_length`` (the bound of packing across a whole group of steps; computed, not
+  trained),
 
 for three corpora preprocessed here: WikiText-2 (test split, one document a line) + the
 SciFact corpus (title + abstract) at 512 tokens with a WordPiece trained on them, and CSL's
@@ -32,6 +34,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from retromae_ds.data.collate import PackedLayout  # noqa: E402
 from retromae_ds.data.dataset import ShardDataset  # noqa: E402
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess  # noqa: E402
 from retromae_ds.data.sampler import (  # noqa: E402
@@ -90,6 +93,12 @@ def _padded(lengths_B: np.ndarray, max_length: int) -> int:
     return width * len(lengths_B)
 
 
+def _packed_batch(lengths_B: np.ndarray, max_length: int) -> int:
+    """Positions of one micro-batch packed by the collator (``--data.packing``)."""
+    layout = PackedLayout.first_fit(lengths_B.astype(np.int64) + 2, max_length, MULTIPLE)
+    return layout.shape[0] * layout.shape[1]
+
+
 def _ffd_windows(lengths: np.ndarray, max_length: int) -> int:
     """Windows first-fit-decreasing packing needs for rows of ``lengths`` (+2 specials)."""
     free: list[int] = []
@@ -128,6 +137,11 @@ def measure(shards: Path, batch: int, group: int) -> dict:
             for i in range(0, len(order), batch)
         )
         row[f"pad_{name}"] = 1 - tokens / slots
+        packed = sum(
+            _packed_batch(all_lengths[order[i : i + batch]], max_length)
+            for i in range(0, len(order), batch)
+        )
+        row[f"pad_{name}_packing"] = 1 - tokens / packed
     chunk = batch * group
     order = np.random.default_rng(0).permutation(n)
     windows = sum(
@@ -160,14 +174,16 @@ def main() -> None:
     )
     print(
         "| corpus | rows | mean tokens | full rows | pad, shuffled | pad, grouped "
+        "| --data.packing, shuffled | --data.packing, grouped "
         "| pad, packed (ideal) | rows per window |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['corpus']} | {r['rows']:,} | {r['mean_tokens']:.0f} | "
             f"{100 * r['full_rows']:.0f} % | {100 * r['pad_shuffled']:.1f} % | "
-            f"{100 * r['pad_grouped']:.1f} % | {100 * r['pad_packed']:.1f} % | "
+            f"{100 * r['pad_grouped']:.1f} % | {100 * r['pad_shuffled_packing']:.1f} % | "
+            f"{100 * r['pad_grouped_packing']:.1f} % | {100 * r['pad_packed']:.1f} % | "
             f"{r['packed_rows_per_window']:.1f} |"
         )
     if args.json:

@@ -72,8 +72,15 @@ def two_stream_row_hash(seeds_B: torch.Tensor, L: int) -> torch.Tensor:
     (query, key) pair once this small table is computed.
     """
     i = torch.arange(L, device=seeds_B.device).view(1, L)
-    h = mix32((seeds_B.long().view(-1, 1) ^ _GOLDEN) & MASK32)
-    return mix32((h ^ i) & MASK32)
+    return two_stream_query_hash(seeds_B.long().view(-1, 1), i)
+
+
+def two_stream_query_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``two_stream_row_hash`` for any (seed, query position) pairs, elementwise with
+    broadcasting: a packed row holds several documents, each with its own seed and its
+    positions counted from its own [CLS]."""
+    h = mix32((seeds.long() ^ _GOLDEN) & MASK32)
+    return mix32((h ^ (positions.long() & MASK32)) & MASK32)
 
 
 def as_int32_bits(x: torch.Tensor) -> torch.Tensor:

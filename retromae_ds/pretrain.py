@@ -48,6 +48,12 @@ class DataConfig:
     length_grouping: int = 0
     """Order each group of this many steps' samples by length (``LengthGroupedSampler``), so
     a batch of long, uneven documents is not mostly padding; 0: the plain shuffled order."""
+    packing: bool = False
+    """Lay each micro-batch's samples end to end in rows of ``max_length`` (first-fit
+    decreasing) instead of one padded row each; a document mask keeps them apart and
+    positions restart per document, so each sample trains exactly as alone
+    (``retromae_ds.attention.packing``; tests/test_packing.py). Removes the padding's FLOPs
+    in the encoder's and decoders' linear layers; attention then spans the packed row."""
 
     def __post_init__(self) -> None:
         if self.length_grouping < 0:
@@ -121,7 +127,12 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
     special = SpecialIds.from_fingerprint(manifest["tokenizer"])
     has_decoder = cfg.model.objective.name != "mlm"
     collator = PretrainCollator(
-        special, cfg.masking, max_length, seed=cfg.seed, decoder=has_decoder
+        special,
+        cfg.masking,
+        max_length,
+        seed=cfg.seed,
+        decoder=has_decoder,
+        pack=cfg.data.packing,
     )
     if cfg.data.length_grouping:
         sampler = LengthGroupedSampler(

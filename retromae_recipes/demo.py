@@ -113,6 +113,7 @@ def run_demo(
         vocab_size=budget["vocab_size"],
         mask_ratio=budget["mask_ratio"],
         length_grouping=budget.get("length_grouping", 0),
+        packing=budget.get("packing", False),
         base_steps=base_steps,
         base_lr=budget["base_lr"],
         pretrain_steps={"bert": steps},

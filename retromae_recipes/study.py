@@ -184,7 +184,9 @@ class Study:
             log_every=max(1, cfg.base_steps // 20),
             progress=False,
             data=DataConfig(
-                shards=str(self.shards_dir("bert")), length_grouping=cfg.length_grouping
+                shards=str(self.shards_dir("bert")),
+                length_grouping=cfg.length_grouping,
+                packing=cfg.packing,
             ),
             model=ModelConfig(
                 encoder=EncoderConfig(name=cfg.base_encoder, max_position_embeddings=positions),
@@ -212,7 +214,9 @@ class Study:
             log_every=max(1, steps // 10),
             progress=False,
             data=DataConfig(
-                shards=str(self.shards_dir(start)), length_grouping=cfg.length_grouping
+                shards=str(self.shards_dir(start)),
+                length_grouping=cfg.length_grouping,
+                packing=cfg.packing,
             ),
             masking=MaskingConfig(encoder_ratio=cfg.mask_ratio),
             model=ModelConfig(

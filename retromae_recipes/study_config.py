@@ -117,6 +117,9 @@ class StudyConfig:
     """``--data.length_grouping`` of every pre-training run (base and continuations): each
     group of this many steps' samples ordered by length, so batches are not half padding
     (benchmarks/bench_padding.py); 0: the plain shuffled order."""
+    packing: bool = False
+    """``--data.packing`` of every pre-training run: each micro-batch's samples packed into
+    rows with a document mask (the same training, fewer padded positions)."""
     curve_every: dict[str, int] = field(default_factory=dict)
     """Per start: evaluate zero-shot every N pre-training steps (the curve of nDCG@10 against
     tokens seen); a start not listed gets no curve."""

@@ -172,7 +172,7 @@ if [ "$MODE" = gpu ]; then
     # shellcheck disable=SC2086  # $xdist is empty or two words
     timeout -k 5 "$T_TESTS" "$PY" -m pytest -m gpu -q -p no:cacheprovider -o addopts="-ra" $xdist \
         tests/test_attention.py tests/test_model.py tests/test_seed_encoder.py tests/test_compile.py \
-        2>&1 | tee "$RESULTS/gpu_tests.txt"
+        tests/test_packing.py 2>&1 | tee "$RESULTS/gpu_tests.txt"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ]; then
         record "PASS gpu_tests $((SECONDS - t0)) s (limit $T_TESTS s)"

@@ -174,3 +174,19 @@ def test_bench_engine_runs_every_arm_and_counts_device_reads(tmp_path):
     # optimizer checks each gradient for overflow with a read of its own
     assert by_arm["plain"]["reads_per_step"] == 0 and by_arm["zero0"]["reads_per_step"] == 0
     assert by_arm["zero0-ds-bf16"]["reads_per_step"] > by_arm["zero2"]["reads_per_step"] > 0
+
+
+def test_bench_packing_times_both_arms_on_the_same_documents(tmp_path):
+    rows = _run(
+        "bench_packing.py",
+        *("--corpus", "builtin128", "--batch", "8", "--steps", "1", "--rounds", "2"),
+        *("--objectives", "mlm", "retromae"),
+        tmp_path=tmp_path,
+    )
+    assert [r["objective"] for r in rows] == ["mlm", "retromae"]
+    for r in rows:
+        assert r["packed_pad_fraction"] < r["padded_pad_fraction"], r
+        assert r["packed_tokens_per_s"] > 0 and r["padded_tokens_per_s"] > 0, r
+        # the same computation: without dropout the first step's losses agree
+        for key, value in r["padded_first_losses"].items():
+            assert r["packed_first_losses"][key] == pytest.approx(value, rel=1e-5), (key, r)

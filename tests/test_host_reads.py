@@ -63,8 +63,14 @@ def _pretrain_args(run: Path, shards: Path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize(
     "objective, precision",
-    [("retromae", []), ("mlm", []), ("retromae", ["--autocast", "bf16"])],
-    ids=["retromae", "mlm", "retromae-autocast-bf16"],
+    [
+        ("retromae", []),
+        ("mlm", []),
+        ("retromae", ["--autocast", "bf16"]),
+        ("retromae", ["--data.packing", "true"]),
+        ("seed", ["--data.packing", "true"]),
+    ],
+    ids=["retromae", "mlm", "retromae-autocast-bf16", "retromae-packed", "seed-packed"],
 )
 def test_pretraining_reads_from_the_device_only_at_log_rows_and_checkpoints(
     tmp_path, shards, objective, precision

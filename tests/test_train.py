@@ -84,8 +84,8 @@ def test_two_rank_loss_falls_on_wikitext(tmp_path, wiki_shards, zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("grouping", [0, 2])
-def test_exact_resume_two_ranks(tmp_path, synthetic_shards, grouping):
+@pytest.mark.parametrize("grouping,packing", [(0, "false"), (2, "false"), (0, "true")])
+def test_exact_resume_two_ranks(tmp_path, synthetic_shards, grouping, packing):
     common = [
         "--max_steps",
         "10",
@@ -95,6 +95,8 @@ def test_exact_resume_two_ranks(tmp_path, synthetic_shards, grouping):
         '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
         "--data.length_grouping",
         str(grouping),
+        "--data.packing",
+        packing,
     ]
     pretrain(tmp_path / "straight", synthetic_shards, *common, ranks=2)
     pretrain(tmp_path / "resumed", synthetic_shards, *common, "--stop_at_step", "4", ranks=2)
@@ -226,6 +228,21 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path, synthetic_shar
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["model"]["encoder"]["gradient_checkpointing"] is True
+
+
+@pytest.mark.slow
+def test_packed_batches_train_as_the_padded_ones(tmp_path, synthetic_shards):
+    """``--data.packing``: without dropout the same losses step by step (to float rounding
+    that compounds over steps), on fewer padded positions."""
+    common = ["--max_steps", "5", "--log_every", "1", "--model.encoder.dropout", "0"]
+    pretrain(tmp_path / "padded", synthetic_shards, *common)
+    pretrain(tmp_path / "packed", synthetic_shards, *common, "--data.packing", "true")
+    padded, packed = metrics(tmp_path / "padded"), metrics(tmp_path / "packed")
+    for a, b in zip(padded, packed, strict=True):
+        for key in ("loss", "mlm_loss", "decoder_loss"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (key, a, b)
+        assert b["tokens_seen"] == a["tokens_seen"] and b["slots_seen"] < a["slots_seen"]
+        assert b["pad_fraction"] < a["pad_fraction"]
 
 
 @pytest.mark.slow

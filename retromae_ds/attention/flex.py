@@ -12,6 +12,9 @@
   evaluating the rule on every (query, key) pair the way ``create_block_mask`` does, and built
   once per batch: ``MaskSpec.block_mask`` keeps them on the spec, which all decoder layers of a
   batch share.
+- Packed rows (``retromae_ds.attention.packing``): the same rules per document; the block
+  mask lists the blocks whose document ranges overlap (each document's blocks against
+  themselves), so attention across documents is skipped block by block.
 
 FlexAttention in torch 2.13 has a compiled forward on CPU but no backward there; this backend
 therefore refuses CPU inputs that require gradients (``auto`` picks ``chunked`` for training on
@@ -24,6 +27,7 @@ import functools
 
 import torch
 
+from retromae_ds.attention.rules import query_hash
 from retromae_ds.attention.specs import MaskSpec, TwoStreamSpec, WindowSpec
 from retromae_ds.hashing import MASK32, mix32, threshold, two_stream_row_hash
 
@@ -32,6 +36,8 @@ BLOCK = 128
 
 def mask_mod_for(spec: MaskSpec, L: int, device: torch.device):
     """The spec's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+    if getattr(spec, "packing", None) is not None:
+        return _packed_mask_mod(spec, L, device)
     lengths = spec.lengths_B.to(device).long()
     if isinstance(spec, TwoStreamSpec):
         if spec.word_ids_BL.shape[1] != L:
@@ -64,12 +70,67 @@ def mask_mod_for(spec: MaskSpec, L: int, device: torch.device):
     raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
 
 
+def _packed_mask_mod(spec: MaskSpec, L: int, device: torch.device):
+    """Packed rows: each document's own rule (``retromae_ds.attention.packing``), with the
+    key every query sees at its document's first position instead of position 0."""
+    packing = spec.packing.to(device)
+    docs, starts = packing.doc_ids_BL.long(), packing.starts()
+    if isinstance(spec, TwoStreamSpec):
+        if spec.word_ids_BL.shape[1] != L:
+            raise ValueError(
+                f"spec covers {spec.word_ids_BL.shape[1]} positions, attention has {L}"
+            )
+        row_hash = query_hash(spec.seeds_B.to(device), L, packing)
+        words = spec.word_ids_BL.to(device).long().clamp_min(0)
+        cut = torch.tensor(threshold(spec.ratio), device=device, dtype=torch.long)
+
+        def packed_two_stream(b, h, q_idx, kv_idx):
+            keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
+            same = (docs[b, kv_idx] == docs[b, q_idx]) & (docs[b, kv_idx] >= 0)
+            return (kv_idx == starts[b, q_idx]) | (same & (kv_idx != q_idx) & keep)
+
+        return packed_two_stream
+    if isinstance(spec, WindowSpec):
+        window = spec.window
+
+        def packed_window(b, h, q_idx, kv_idx):
+            band = kv_idx <= q_idx
+            if window is not None:
+                band = band & (kv_idx > q_idx - window)
+            same = (docs[b, kv_idx] == docs[b, q_idx]) & (docs[b, kv_idx] >= 0)
+            return (kv_idx == starts[b, q_idx]) | (same & band)
+
+        return packed_window
+    raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
+
+
+def _packed_blocks(spec: MaskSpec, L: int, device: torch.device, block: int) -> torch.Tensor:
+    """B×nQ×nK: blocks whose query and key document ranges overlap, plus the diagonal (a
+    padding query sees itself). Every visible pair of a packed rule lies in one document, so
+    this covers them all."""
+    docs = spec.packing.doc_ids_BL.to(device).long()
+    B, n = docs.shape[0], -(-L // block)
+    padded = torch.full((B, n * block), -1, dtype=torch.long, device=device)
+    padded[:, :L] = docs
+    blocks = padded.view(B, n, block)
+    real = blocks >= 0
+    lo = torch.where(real, blocks, torch.full_like(blocks, 2**62)).amin(-1)  # B, n
+    hi = blocks.amax(-1)  # -1 when the block holds no document
+    overlap = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+    return overlap | torch.eye(n, dtype=torch.bool, device=device)
+
+
 def block_visibility(
     spec: MaskSpec, L: int, device: torch.device, block: int = BLOCK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(any, full): B×nQ×nK booleans: does block (q-block, k-block) hold a visible pair, and
     are all its pairs visible. ``any`` is a superset of the true coverage; ``full`` is exact
     or conservative (False), so the kernel applies ``mask_mod`` wherever it is unsure."""
+    if getattr(spec, "packing", None) is not None:
+        if not isinstance(spec, TwoStreamSpec | WindowSpec):
+            raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
+        any_ = _packed_blocks(spec, L, device, block)
+        return any_, torch.zeros_like(any_)
     lengths = spec.lengths_B.to(device).long().view(-1, 1, 1)
     n = -(-L // block)
     qb = torch.arange(n, device=device).view(1, n, 1)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from retromae_ds.attention.packing import Packing
 from retromae_ds.attention.rules import (
     two_stream_tables,
     two_stream_visible_rows,
@@ -62,6 +63,9 @@ class TwoStreamSpec(MaskSpec):
     lengths_B: torch.Tensor
     seeds_B: torch.Tensor
     ratio: float
+    packing: Packing | None = None
+    """Packed rows: where each document lies (``seeds_B`` then holds one seed per document,
+    ``lengths_B`` is unused)."""
     _tables: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -70,7 +74,7 @@ class TwoStreamSpec(MaskSpec):
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``rules.two_stream_tables`` of this batch, computed on first use and kept."""
         if self._tables is None:
-            self._tables = two_stream_tables(self.word_ids_BL, self.seeds_B)
+            self._tables = two_stream_tables(self.word_ids_BL, self.seeds_B, self.packing)
         return self._tables
 
     def rows(self, start: int, stop: int, L: int) -> torch.Tensor:
@@ -79,7 +83,14 @@ class TwoStreamSpec(MaskSpec):
                 f"spec covers {self.word_ids_BL.shape[1]} positions, attention has {L}"
             )
         return two_stream_visible_rows(
-            self.word_ids_BL, self.lengths_B, self.seeds_B, self.ratio, start, stop, self.tables()
+            self.word_ids_BL,
+            self.lengths_B,
+            self.seeds_B,
+            self.ratio,
+            start,
+            stop,
+            self.tables(),
+            self.packing,
         )
 
 
@@ -90,6 +101,8 @@ class WindowSpec(MaskSpec):
 
     lengths_B: torch.Tensor
     window: int | None
+    packing: Packing | None = None
+    """Packed rows: where each document lies (``lengths_B`` is then unused)."""
 
     def rows(self, start: int, stop: int, L: int) -> torch.Tensor:
-        return window_visible_rows(self.lengths_B, L, self.window, start, stop)
+        return window_visible_rows(self.lengths_B, L, self.window, start, stop, self.packing)

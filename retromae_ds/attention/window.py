@@ -22,6 +22,8 @@ def window_attention(
         raise ValueError(
             "the window backend computes only a finite SEED-Encoder window (WindowSpec)"
         )
+    if spec.packing is not None:
+        return _packed_window_attention(q_BHLD, k_BHLD, v_BHLD, spec)
     B, H, L, D = q_BHLD.shape
     k = spec.window
     device = q_BHLD.device
@@ -54,3 +56,28 @@ def window_attention(
     weights = torch.softmax(scores.float(), dim=-1).to(q_BHLD.dtype)
     out0 = weights[..., :1] * v_BHLD[:, :, :1]
     return out0 + torch.einsum("bhlk,bhlkd->bhld", weights[..., 1:], v_sel)
+
+
+def _packed_window_attention(
+    q_BHLD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, spec: WindowSpec
+) -> torch.Tensor:
+    """Packed rows: query t's k+1 keys are its document's first position and t-k+1 .. t
+    (those after that first position), gathered per row since the first position differs
+    from document to document. The first key is gathered too, not broadcast (see above: in
+    bf16 its gradient sums in the input's dtype)."""
+    B, H, L, D = q_BHLD.shape
+    k = spec.window
+    device = q_BHLD.device
+    starts_BL = spec.packing.to(device).starts()
+    t = torch.arange(L, device=device).view(1, L, 1)
+    band_1LK = t - k + torch.arange(1, k + 1, device=device).view(1, 1, k)
+    valid_BLK = band_1LK > starts_BL[:, :, None]  # inside the document, after its first key
+    keys_BLK1 = torch.cat([starts_BL[:, :, None], band_1LK.clamp_min(0).expand(B, L, k)], dim=2)
+    valid_BLK1 = torch.cat([torch.ones_like(valid_BLK[..., :1]), valid_BLK], dim=2)
+    index = keys_BLK1.reshape(B, 1, L * (k + 1), 1).expand(B, H, L * (k + 1), D)
+    k_sel = k_BHLD.gather(2, index).view(B, H, L, k + 1, D)
+    v_sel = v_BHLD.gather(2, index).view(B, H, L, k + 1, D)
+    scores = torch.einsum("bhld,bhlkd->bhlk", q_BHLD, k_sel) / math.sqrt(D)
+    scores = scores.masked_fill(~valid_BLK1.unsqueeze(1), float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q_BHLD.dtype)
+    return torch.einsum("bhlk,bhlkd->bhld", weights, v_sel)

@@ -66,7 +66,14 @@ class IndexedSamples(torch.utils.data.Dataset):
 
 
 class PretrainCollator:
-    """Collate ``(index, input_ids, word_starts)`` items into model inputs (see module doc)."""
+    """Collate ``(index, input_ids, word_starts)`` items into model inputs (see module doc).
+
+    ``pack``: lay the batch's documents end to end in as few rows of ``max_length`` as
+    first-fit decreasing finds (``PackedLayout``), instead of one padded row each. Every
+    document is masked exactly as unpacked (the draws depend on its index and its own
+    positions); ``doc_ids`` and ``position_ids`` (R×L) say where each one lies, and the
+    model keeps them apart (``retromae_ds.attention.packing``). Per-document tensors
+    (``sample_index``, ``lengths``, ``decoder_seed``) keep the batch's order."""
 
     def __init__(
         self,
@@ -77,9 +84,11 @@ class PretrainCollator:
         seed: int = 0,
         decoder: bool = True,
         pad_to_multiple_of: int = 8,
+        pack: bool = False,
     ) -> None:
         self.special, self.masking, self.max_length = special, masking, max_length
         self.seed, self.decoder, self.pad_to_multiple_of = seed, decoder, pad_to_multiple_of
+        self.pack = pack
         self.epoch = 0
         self._special_ids = np.asarray(special.all, dtype=np.int64)
         is_special = np.zeros(special.vocab_size, dtype=bool)
@@ -159,6 +168,19 @@ class PretrainCollator:
         ]
 
         attention_mask = (np.arange(L)[None, :] < lengths[:, None]).astype(np.int64)
+        if self.decoder:
+            decoder_labels = np.full((B, L), IGNORE, dtype=np.int64)
+            decoder_labels[rows, cols] = np.where(special_token, IGNORE, content_ids)
+        if self.pack:
+            # the same rows, masked the same way, laid end to end (see the class doc)
+            layout = PackedLayout.first_fit(lengths, self.max_length, self.pad_to_multiple_of)
+            input_ids = layout.scatter(input_ids, sp.pad)
+            labels = layout.scatter(labels, IGNORE)
+            attention_mask = layout.scatter(attention_mask, 0)
+            if self.decoder:
+                ids = layout.scatter(ids, sp.pad)
+                decoder_labels = layout.scatter(decoder_labels, IGNORE)
+                word_ids = layout.scatter(word_ids, -1)
         batch = {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
@@ -169,9 +191,12 @@ class PretrainCollator:
             "label_positions": torch.from_numpy(np.flatnonzero(labels.ravel() != IGNORE)),
             "sample_index": torch.from_numpy(indices),
         }
+        if self.pack:
+            batch.update(
+                doc_ids=torch.from_numpy(layout.doc_ids),
+                position_ids=torch.from_numpy(layout.position_ids),
+            )
         if self.decoder:
-            decoder_labels = np.full((B, L), IGNORE, dtype=np.int64)
-            decoder_labels[rows, cols] = np.where(special_token, IGNORE, content_ids)
             positions = np.flatnonzero(decoder_labels.ravel() != IGNORE)
             batch.update(
                 original_ids=torch.from_numpy(ids),
@@ -184,3 +209,63 @@ class PretrainCollator:
                 ),
             )
         return batch
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each document of a batch lies in the packed rows: row ``rows[d]``, starting at
+    position ``offsets[d]``, ``lengths[d]`` positions ([CLS] .. [SEP])."""
+
+    rows: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    shape: tuple[int, int]
+
+    @classmethod
+    def first_fit(cls, lengths: np.ndarray, capacity: int, multiple: int) -> PackedLayout:
+        """First-fit decreasing: documents longest first (ties: batch order), each into the
+        first row with room, a new row when none has. Row length: the fullest row's, rounded
+        up to ``multiple`` (at most ``capacity``)."""
+        order = np.lexsort((np.arange(len(lengths)), -lengths))
+        rows, offsets = np.empty_like(lengths), np.empty_like(lengths)
+        fill: list[int] = []
+        for d in order.tolist():
+            n = int(lengths[d])
+            r = next((r for r, used in enumerate(fill) if used + n <= capacity), len(fill))
+            if r == len(fill):
+                fill.append(0)
+            rows[d], offsets[d] = r, fill[r]
+            fill[r] += n
+        width = min(-(-max(fill) // multiple) * multiple, capacity)
+        return cls(rows, offsets, lengths, (len(fill), width))
+
+    def _where(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(document, position inside it, flat packed index) of every real position."""
+        docs = np.repeat(np.arange(len(self.lengths)), self.lengths)
+        starts = np.cumsum(self.lengths) - self.lengths
+        inside = np.arange(len(docs)) - starts[docs]
+        flat = self.rows[docs] * self.shape[1] + self.offsets[docs] + inside
+        return docs, inside, flat
+
+    def scatter(self, per_document: np.ndarray, fill: int) -> np.ndarray:
+        """A B×L per-document array (each document in its own row from position 0) packed."""
+        docs, inside, flat = self._where()
+        out = np.full(self.shape[0] * self.shape[1], fill, dtype=per_document.dtype)
+        out[flat] = per_document[docs, inside]
+        return out.reshape(self.shape)
+
+    @property
+    def doc_ids(self) -> np.ndarray:
+        """R×L: each position's document (-1: padding)."""
+        docs, _, flat = self._where()
+        out = np.full(self.shape[0] * self.shape[1], -1, dtype=np.int64)
+        out[flat] = docs
+        return out.reshape(self.shape)
+
+    @property
+    def position_ids(self) -> np.ndarray:
+        """R×L: each position's offset from its document's [CLS] (0: padding)."""
+        _, inside, flat = self._where()
+        out = np.zeros(self.shape[0] * self.shape[1], dtype=np.int64)
+        out[flat] = inside
+        return out.reshape(self.shape)

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from retromae_ds.attention.packing import Packing
 from retromae_ds.modeling.load import load_pretrained
 from retromae_ds.modeling.long_attention import use_broadcast_mask
-from retromae_ds.modeling.positions import extend_positions
+from retromae_ds.modeling.positions import extend_positions, position_offset
 
 PRESETS = {
     # name: (layers, hidden, heads, intermediate)
@@ -155,12 +156,32 @@ def compile_whole(parts: list[nn.Module], backend: str) -> list[nn.Module]:
 _BOOL_MASK_ATTENTION = ("sdpa", "sdpa_broadcast_mask")
 
 
-def encode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def encode(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packing: Packing | None = None,
+) -> torch.Tensor:
     """Last-layer hidden states [B, L, H] of the encoder body. With SDPA attention the padding
-    mask goes in as ``padding_mask_4d``: no read from the device."""
+    mask goes in as ``padding_mask_4d``: no read from the device. Packed rows (``packing``)
+    attend within their document, with positions counted from each document's [CLS]: each
+    document's states are those it gets alone (tests/test_packing.py)."""
     body = model.base_model
     implementation = getattr(body.config, "_attn_implementation", None)
+    if packing is not None:
+        mask = packing.encoder_mask()
+        if implementation not in _BOOL_MASK_ATTENTION:  # eager adds the mask to the scores
+            mask = additive_mask(mask, body.dtype)
+        positions = packing.position_ids_BL + position_offset(model)
+        out = body(input_ids=input_ids, attention_mask=mask, position_ids=positions)
+        return out.last_hidden_state
     mask = attention_mask
     if attention_mask.dim() == 2 and implementation in _BOOL_MASK_ATTENTION:
         mask = padding_mask_4d(attention_mask)
     return body(input_ids=input_ids, attention_mask=mask).last_hidden_state
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive mask eager attention adds to its scores."""
+    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return zeros.masked_fill_(~visible, torch.finfo(dtype).min)

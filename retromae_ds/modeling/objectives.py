@@ -29,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from retromae_ds.attention import TwoStreamSpec, WindowSpec, resolve_backend
+from retromae_ds.attention.packing import Packing, packing_of
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import compile_whole, encode, mlm_head
+from retromae_ds.modeling.positions import position_offset
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
 from retromae_ds.special_tokens import IGNORE
 
@@ -170,7 +172,8 @@ class PretrainModel(nn.Module):
         return encode(self.encoder, input_ids, attention_mask)[:, 0]
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hidden_BLH = encode(self.encoder, batch["input_ids"], batch["attention_mask"])
+        packing = packing_of(batch)
+        hidden_BLH = encode(self.encoder, batch["input_ids"], batch["attention_mask"], packing)
         features_NH, targets_N = _predicted(hidden_BLH, batch, "labels", "label_positions")
         mlm_loss, mlm_accuracy = self.vocab_loss(features_NH, targets_N)
         out = {
@@ -181,7 +184,7 @@ class PretrainModel(nn.Module):
         loss = self.objective.mlm_weight * mlm_loss
         if self.objective.name != "mlm":
             decode = self._decoder_loss if self.objective.name == "retromae" else self._seed_loss
-            dec_loss, dec_accuracy = decode(hidden_BLH, batch)
+            dec_loss, dec_accuracy = decode(hidden_BLH, batch, packing)
             out["decoder_loss"] = dec_loss.detach()
             out["decoder_accuracy"] = dec_accuracy
             loss = loss + self.objective.decoder_weight * dec_loss
@@ -189,30 +192,45 @@ class PretrainModel(nn.Module):
         return out
 
     def _decoder_loss(
-        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor]
+        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], packing: Packing | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
-        B, L, _ = hidden_BLH.shape
-        cls_B1H = hidden_BLH[:, :1]
-        query_BLH = embeddings(inputs_embeds=cls_B1H.expand(B, L, -1))
-        tokens_BLH = embeddings(input_ids=batch["original_ids"])
-        kv_BLH = torch.cat([cls_B1H, tokens_BLH[:, 1:]], dim=1)
+        B, L, H = hidden_BLH.shape
         spec = TwoStreamSpec(
-            batch["word_ids"], batch["lengths"], batch["decoder_seed"], self.decoder_ratio
+            batch["word_ids"], batch["lengths"], batch["decoder_seed"], self.decoder_ratio, packing
         )
+        if packing is None:
+            cls_B1H = hidden_BLH[:, :1]
+            query_BLH = embeddings(inputs_embeds=cls_B1H.expand(B, L, -1))
+            tokens_BLH = embeddings(input_ids=batch["original_ids"])
+            kv_BLH = torch.cat([cls_B1H, tokens_BLH[:, 1:]], dim=1)
+        else:
+            # each position's own document: its sentence embedding, its own positions
+            positions_BL = packing.position_ids_BL + position_offset(self.encoder)
+            cls_BLH = hidden_BLH.gather(1, packing.starts()[..., None].expand(B, L, H))
+            query_BLH = embeddings(inputs_embeds=cls_BLH, position_ids=positions_BL)
+            tokens_BLH = embeddings(input_ids=batch["original_ids"], position_ids=positions_BL)
+            kv_BLH = torch.where(packing.is_first()[..., None], hidden_BLH, tokens_BLH)
         dec_BLH = self.decoder(query_BLH, kv_BLH, spec)
         return self._reconstruction(dec_BLH, batch)
 
     def _seed_loss(
-        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor]
+        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], packing: Packing | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
         original = batch["original_ids"]
         # teacher forcing: position t holds token t-1 (with position t), position 0 the CLS vector
         shifted = torch.cat([original[:, :1], original[:, :-1]], dim=1)
-        x_BLH = torch.cat([hidden_BLH[:, :1], embeddings(input_ids=shifted)[:, 1:]], dim=1)
         window = None if self.objective.strong_decoder else self.objective.window
-        spec = WindowSpec(batch["lengths"], window)
+        spec = WindowSpec(batch["lengths"], window, packing)
+        if packing is None:
+            x_BLH = torch.cat([hidden_BLH[:, :1], embeddings(input_ids=shifted)[:, 1:]], dim=1)
+        else:
+            # a document's first position holds its CLS vector; the shift never crosses into
+            # the previous document, since that position is not a shifted token
+            positions_BL = packing.position_ids_BL + position_offset(self.encoder)
+            tokens_BLH = embeddings(input_ids=shifted, position_ids=positions_BL)
+            x_BLH = torch.where(packing.is_first()[..., None], hidden_BLH, tokens_BLH)
         for layer in self.decoder:
             x_BLH = layer(x_BLH, x_BLH, spec)
         return self._reconstruction(x_BLH, batch)
