@@ -26,14 +26,18 @@ from helpers_model import SPECIAL
 pytestmark = pytest.mark.slow
 
 
-def _batches(n: int, seed: int = 0):
-    """Collated batches of 3 rows whose lengths vary (padded lengths 16 ... 64)."""
+def _batches(n: int, seed: int = 0, pack: bool = False):
+    """Collated batches of 3 rows whose lengths vary (padded lengths 16 ... 64); ``pack``:
+    packed into rows of 64 (``--data.packing``), two documents of 31+ tokens and a short
+    one, so 2 or 3 rows of varying width (a batch of a single row would compile once more:
+    dynamo specialises a dimension of size 1)."""
     rng = np.random.default_rng(seed)
-    collator = PretrainCollator(SPECIAL, MaskingConfig(), 64, seed=seed)
+    collator = PretrainCollator(SPECIAL, MaskingConfig(), 64, seed=seed, pack=pack)
     for step in range(n):
         items = []
         for index in range(3):
-            length = int(rng.integers(6, 62))
+            low, high = ((31, 56) if index < 2 else (4, 24)) if pack else (6, 62)
+            length = int(rng.integers(low, high))
             ids = rng.integers(5, SPECIAL.vocab_size, length).astype(np.int32)
             starts = (rng.random(length) < 0.6).astype(np.uint8)
             items.append((step * 3 + index, ids, starts))
@@ -56,8 +60,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("objective", ["retromae", "seed", "mlm"])
-def test_each_part_compiles_once_as_one_graph_for_every_length(objective):
+@pytest.mark.parametrize(
+    "objective, pack",
+    [("retromae", False), ("seed", False), ("mlm", False), ("retromae", True), ("seed", True)],
+)
+def test_each_part_compiles_once_as_one_graph_for_every_length(objective, pack):
     graphs: list[str] = []
 
     def counting(gm: torch.fx.GraphModule, example_inputs):
@@ -68,7 +75,8 @@ def test_each_part_compiles_once_as_one_graph_for_every_length(objective):
     parts = model.compile_parts(backend=counting)
     assert len(parts) == {"retromae": 2, "seed": 4, "mlm": 1}[objective]
     lengths = set()
-    for batch in _batches(20):
+    for batch in _batches(20, pack=pack):
+        assert ("doc_ids" in batch) == pack
         lengths.add(batch["input_ids"].shape[1])
         out = model(batch)
         out["loss"].backward()

@@ -129,7 +129,7 @@ def _specs(rule, param, plain, packed):
             TwoStreamSpec(
                 packed["word_ids"],
                 packed["lengths"],
-                packed["decoder_seed"],
+                packing_of(packed).per_position(packed["decoder_seed"]),
                 param,
                 packing_of(packed),
             ),
@@ -160,14 +160,11 @@ def test_packed_rules_are_each_documents_own_rule_and_nothing_across(rule, param
 def test_the_rule_functions_take_packing_and_agree_with_the_specs():
     plain, packed = _batches([9, 30, 4, 17], seed=1)
     packing, W = packing_of(packed), packed["input_ids"].shape[1]
-    spec = TwoStreamSpec(
-        packed["word_ids"], packed["lengths"], packed["decoder_seed"], 0.5, packing
-    )
+    seeds = packing.per_position(packed["decoder_seed"])
+    spec = TwoStreamSpec(packed["word_ids"], packed["lengths"], seeds, 0.5, packing)
     assert torch.equal(
         spec.dense(W),
-        two_stream_visible_dense(
-            packed["word_ids"], packed["lengths"], packed["decoder_seed"], 0.5, packing
-        ),
+        two_stream_visible_dense(packed["word_ids"], packed["lengths"], seeds, 0.5, packing),
     )
     assert torch.equal(
         WindowSpec(packed["lengths"], 2, packing).dense(W),

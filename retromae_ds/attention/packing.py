@@ -53,6 +53,11 @@ class Packing:
         keys = docs[:, None, :]
         return (docs[:, start:stop, None] == keys) & (keys >= 0)
 
+    def per_position(self, per_document: torch.Tensor) -> torch.Tensor:
+        """B×L: each position's value of a per-document tensor (a padding position gets
+        document 0's; no rule reads it there)."""
+        return per_document[self.doc_ids_BL.long().clamp_min(0)]
+
     def encoder_mask(self) -> torch.Tensor:
         """The encoder's B×1×L×L boolean mask (True: attend): keys of the query's own
         document; a padding query its own position."""

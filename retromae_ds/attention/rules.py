@@ -39,13 +39,12 @@ from retromae_ds.hashing import (
 
 
 def query_hash(seeds: torch.Tensor, L: int, packing: Packing | None = None) -> torch.Tensor:
-    """B×L int64: the hash prefix of every query position. Unpacked: row b's seed and
-    position i; packed: the seed of the position's document (``seeds`` per document) and
-    its position inside that document."""
+    """B×L int64: the hash prefix of every query position. Unpacked: row b's seed
+    (``seeds`` B) and position i; packed: its document's seed (``seeds`` B×L,
+    ``Packing.per_position``) and its position inside that document."""
     if packing is None:
         return two_stream_row_hash(seeds, L)
-    docs = packing.doc_ids_BL.long().clamp_min(0)
-    return two_stream_query_hash(seeds.long()[docs], packing.position_ids_BL)
+    return two_stream_query_hash(seeds, packing.position_ids_BL)
 
 
 def two_stream_tables(
@@ -73,7 +72,8 @@ def two_stream_visible_rows(
     Computes ``hash3(seed_b, i, word_b[j])`` as ``mix32(row_hash[b, i] ^ word_b[j])`` with
     the int32 form of the last mix: one int32 and one bool temporary of B×c×L. ``tables``
     (from :func:`two_stream_tables`) saves recomputing the O(B·L) inputs for every chunk.
-    With ``packing``, ``seeds_B`` holds one seed per document and ``lengths_B`` is unused.
+    With ``packing``, ``seeds_B`` holds each position's document's seed (B×L) and
+    ``lengths_B`` is unused.
     """
     B, L = word_ids_BL.shape
     device = word_ids_BL.device

@@ -64,8 +64,10 @@ class TwoStreamSpec(MaskSpec):
     seeds_B: torch.Tensor
     ratio: float
     packing: Packing | None = None
-    """Packed rows: where each document lies (``seeds_B`` then holds one seed per document,
-    ``lengths_B`` is unused)."""
+    """Packed rows: where each document lies (``seeds_B`` then holds each position's
+    document's seed, B×L: ``Packing.per_position``; ``lengths_B`` is unused). Per position,
+    not per document, so that a compiled decoder sees no dimension of the document count
+    (which dynamo would tie to the row count whenever the two happen to be equal)."""
     _tables: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False, compare=False
     )

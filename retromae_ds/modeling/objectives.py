@@ -196,8 +196,11 @@ class PretrainModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         embeddings = self.encoder.base_model.embeddings
         B, L, H = hidden_BLH.shape
+        seeds = batch["decoder_seed"]
+        if packing is not None:
+            seeds = packing.per_position(seeds)
         spec = TwoStreamSpec(
-            batch["word_ids"], batch["lengths"], batch["decoder_seed"], self.decoder_ratio, packing
+            batch["word_ids"], batch["lengths"], seeds, self.decoder_ratio, packing
         )
         if packing is None:
             cls_B1H = hidden_BLH[:, :1]
