@@ -96,7 +96,7 @@ def bench_encoding(args, scratch: Path) -> list[common.Measurement]:
 def bench_index(args) -> tuple[list[dict], dict]:
     import numpy as np
 
-    from retromae_ds.index import ExactIndex
+    from retromae_ds.search.exact import ExactIndex
 
     rng = np.random.default_rng(0)
     dim, k = 384, 200

@@ -13,7 +13,7 @@
 #      (--stop_at_step) and resumed; the resumed losses against an uninterrupted run's,
 #   3. e2e_finetune (scripts/gpu_e2e/finetune_ance.py): `retromae-ds finetune` of
 #      all-MiniLM-L6-v2 on SciFact train with its local refresher encoding and searching on the
-#      GPU (torch index); a version mined by the model must be published and trained on,
+#      GPU (torch search backend); a version mined by the model must be published and trained on,
 #   4. e2e_eval (scripts/gpu_e2e/eval_parity.py): `retromae-ds eval` of MiniLM on SciFact test
 #      on the GPU and on the CPU; both nDCG@10 and |diff| <= 0.01,
 #   5. benchmarks/bench_long.py (a BERT-base-sized RetroMAE step at 8,192 tokens: peak memory

@@ -92,7 +92,7 @@ def run(code: Path, out: Path, data_root: Path) -> None:
         "finetune_1rank": [("retromae_ds.finetune", 1, ["--max_steps", "12", "--checkpoint.every_steps", "6"])],
         "finetune_refresh_1rank": [("retromae_ds.finetune", 1, [
             "--max_steps", "8", "--refresher", "local", "--negatives.mine_first", "true",
-            "--refresh.max_versions", "1", "--refresh.index", "torch", "--refresh.top_k", "20",
+            "--refresh.max_versions", "1", "--refresh.search_backend", "torch", "--refresh.top_k", "20",
         ])],
         "finetune_2ranks_resume": [
             ("retromae_ds.finetune", 2, ["--max_steps", "8", "--stop_at_step", "4"]),

@@ -462,7 +462,10 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     neg = load_current(root)
     assert (neg.version, neg.step, neg.manifest["source"]) == (1, 5, "model")
     assert neg.manifest["data"] == ts.fingerprint()
-    assert (neg.manifest["device"], neg.manifest["index"]) == ("cpu", "auto")  # where it ran
+    # where and how it searched: auto picks exact search at this size
+    assert (neg.manifest["device"], neg.manifest["index"]) == ("cpu", "auto")
+    assert neg.manifest["search_backend"] == "auto"
+    assert neg.manifest["index_resolved"]["factory"] == "Flat"
     for q in range(ts.num_queries):
         assert len(neg.of(q)) == 3 and not set(neg.of(q).tolist()) & set(ts.positives[q].tolist())
     assert not (root / ".work" / "v1").exists()

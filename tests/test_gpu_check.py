@@ -82,7 +82,8 @@ def test_cpu_smoke_runs_every_e2e_step_and_each_passes(tmp_path, shared_data, mi
     # mine_first: the first step already trains on negatives the model mined at step 0
     assert mined & set(finetune["versions_used"]), finetune
     assert finetune["first_mined"]["step"] == 0
-    assert (finetune["refresh_device"], finetune["refresh_index"]) == ("cpu", "torch")
+    assert (finetune["refresh_device"], finetune["refresh_search_backend"]) == ("cpu", "torch")
+    assert finetune["first_mined"]["search_backend"] == "torch"
 
     evaluation = result["eval"]
     ndcg = evaluation["ndcg@10"]

@@ -1,4 +1,4 @@
-"""Exact search (retromae_ds.index) against a numpy brute force written here.
+"""Exact search (retromae_ds.search.exact) against a numpy brute force written here.
 
 Random Gaussian vectors make exact score ties vanishingly unlikely; the tests check that the
 reference has none at the cut, so ids can be compared exactly. Ties are exercised separately,
@@ -13,13 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.index import (
-    ExactIndex,
-    check_matrix,
-    faiss_gpus_usable,
-    merge_topk,
-    search_blocks,
-)
+from retromae_ds.search.arrays import check_matrix
+from retromae_ds.search.exact import ExactIndex, search_blocks
+from retromae_ds.search.faiss_backend import faiss_gpus_usable
+from retromae_ds.search.merge import merge_topk
 
 BACKENDS = ["faiss", "torch"]
 

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from retromae_ds.ance.mining import STRATEGIES
 from retromae_ds.config import resumable
+from retromae_ds.search.kinds import check_index_setting
 
 
 @dataclass(kw_only=True)
@@ -66,7 +67,26 @@ class RefreshConfig:
     mining: MiningConfig = field(default_factory=MiningConfig)
     """What each version holds (also BM25's first version, which the trainer mines)."""
     index: str = "auto"
-    """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the device)."""
+    """The index each refresher rank searches its part of the passages with
+    (``retromae_ds.search``): ``flat`` (exact), ``ivf`` (IVF{L},Flat: L the power of two
+    nearest 4·√N, N the rank's passages, at most one list per 39 training vectors),
+    ``ivfpq`` (the same lists holding PQ codes: 96 bytes a vector at 384 or 768
+    dimensions), ``hnsw`` (HNSW32,Flat), any faiss index_factory string taken as written
+    (``IVF65536,PQ64``, ``HNSW32,Flat``), or ``auto``: flat below 200,000 passages a rank,
+    ivf up to 5M, above that IVF with the power of two nearest 16·√N lists and an HNSW
+    coarse quantiser; always flat with ``search_backend torch``. Approximate indexes' scores
+    are recomputed exactly for the top-K they return (docs/ance.md, "Index choice")."""
+    search_backend: str = "auto"
+    """auto / faiss (GPU when usable, else CPU) / torch (exact matmul + top-k on the
+    refresher's device; exact search only, so ``index`` flat or auto)."""
+    nprobe: int = 0
+    """IVF lists probed per query (0: auto, 1/8 of the lists); at most the index's lists."""
+    ef_search: int = 0
+    """HNSW candidate-list size per query (0: auto, 2 × mining.top_k and at least 64; for an
+    HNSW coarse quantiser 2 × nprobe); HNSW indexes only."""
+    train_size: int = 0
+    """Passages sampled (seed ``mining.seed``) to train an IVF or PQ index (0: auto, 64 per
+    list or PQ code, at most all); fewer than 39 per list or code is an error."""
     batch_size: int = 128
     """Texts per forward pass."""
     device: str = resumable("auto")
@@ -106,8 +126,12 @@ class RefreshConfig:
     refresh_config.json, which other refreshers of the run read too."""
 
     def __post_init__(self) -> None:
-        if self.index not in ("auto", "faiss", "torch"):
-            raise ValueError(f"refresh.index must be auto, faiss or torch, not {self.index!r}")
+        check_index_setting(self.index, self.search_backend, "refresh.")
+        for name in ("nprobe", "ef_search", "train_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"refresh.{name} must be >= 0 (0: auto), not {getattr(self, name)}"
+                )
         if self.parent_pid < 0:
             raise ValueError(f"refresh.parent_pid must be >= 0, got {self.parent_pid}")
         if self.threads < 0:

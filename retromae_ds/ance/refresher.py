@@ -12,9 +12,10 @@ trainer's ``--refresher local`` subprocess) that loops:
    With ``cache_dir`` the embeddings are looked up first by content (``embed_cache``: the
    encoder's files, the data, the rows, pooling, precision), so runs from the same init
    encode its step-0 checkpoint once between them;
-4. each rank searches all queries in its own part (``retromae_ds.index``: faiss, on GPUs when
-   usable, or exact torch matmul + top-k) into ``topk_rank{r}.npz``, so no rank ever holds the
-   whole corpus embedding matrix; rank 0 merges the ranks' top-K lists (``merge_topk``,
+4. each rank searches all queries in its own part (``retromae_ds.search``: the index
+   ``index`` names, exact by default below 200,000 passages a rank, through faiss on GPUs when
+   usable, or exact torch matmul + top-k with ``search_backend torch``) into
+   ``topk_rank{r}.npz``, so no rank ever holds the whole corpus embedding matrix; rank 0 merges the ranks' top-K lists (``merge_topk``,
    ``[Q, K]`` each) into ``ranking.npz`` (a refresher restarted after that point mines from it
    without encoding again);
 5. hands the ranking to ``publish.mine_and_publish``, the path BM25's first version takes too:
@@ -69,6 +70,7 @@ from retromae_ds.ance.stages import (
     merge_stage,
     open_work,
     pick_device,
+    read_json,
     search_stage,
 )
 from retromae_ds.components import checkpoint as ckpt
@@ -211,6 +213,9 @@ def refresh_once(
                 "embedding_cache": job.cached,
                 "device": str(pick_device(cfg, group.local_rank)),
                 "index": cfg.index,
+                "search_backend": cfg.search_backend,
+                # what rank 0's index resolved to (factory string, nprobe, ef_search, ...)
+                "index_resolved": read_json(job.part("index", 0).with_suffix(".json")),
             },
             timings=job.timings,
         )

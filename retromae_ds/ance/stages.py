@@ -4,8 +4,10 @@ starts (``retromae_ds.ance.refresher`` runs them for every new checkpoint):
 1. ``encode_stage``: every rank encodes its contiguous part of the passages
    (``passages_rank{r}.npy``, reused when a killed refresher left it complete) and of the
    queries (``queries_rank{r}.npy``), or loads them from the embedding cache;
-2. ``search_stage``: every rank searches all queries in its own part (``retromae_ds.index``)
-   into ``topk_rank{r}.npz``, so no rank ever holds the whole corpus embedding matrix;
+2. ``search_stage``: every rank searches all queries in its own part with the index
+   ``refresh.index`` names (``retromae_ds.search``; what it resolved to in
+   ``index_rank{r}.json``) into ``topk_rank{r}.npz``, so no rank ever holds the whole corpus
+   embedding matrix;
 3. ``merge_stage``: rank 0 merges the ranks' top-K lists into ``ranking.npz`` (``RANKING``),
    which ``publish.mine_and_publish`` turns into a version.
 
@@ -22,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +43,9 @@ from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
 from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
 from retromae_ds.special_tokens import SpecialIds
+
+if TYPE_CHECKING:
+    from retromae_ds.search.build import IndexChoice
 
 
 # --------------------------------------------------------------------------- encoding
@@ -154,6 +159,23 @@ def pick_device(cfg: RefreshConfig, local_rank: int) -> torch.device:
     return device
 
 
+def index_choice(cfg: RefreshConfig, n: int, dim: int) -> IndexChoice:
+    """What ``refresh.index`` and its settings resolve to for ``n`` passages of ``dim``, or a
+    ValueError naming the setting at fault."""
+    from retromae_ds.search.build import resolve_index  # faiss: loaded by the refresher only
+
+    return resolve_index(
+        cfg.index,
+        n=n,
+        dim=dim,
+        backend=cfg.search_backend,
+        nprobe=cfg.nprobe,
+        ef_search=cfg.ef_search,
+        train_size=cfg.train_size,
+        prefix="refresh.",
+    )
+
+
 @dataclass
 class Job:
     """One version being mined: what every stage reads, and where it leaves its files
@@ -223,6 +245,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, np.ndarray, int]:
 
     lo, hi = split(ts.num_passages, group.world, group.rank)
     qlo, qhi = split(ts.num_queries, group.world, group.rank)
+    index_choice(cfg, hi - lo, passage_model.config.hidden_size)  # bad settings: before encoding
     cache = EmbeddingCache(cfg.cache_dir)
     keys: dict[str, dict[str, Any]] = {}
     if cache.enabled:
@@ -289,16 +312,34 @@ def encode_stage(job: Job) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def search_stage(job: Job, passages: np.ndarray, queries: np.ndarray, lo: int) -> None:
-    """Every rank: all queries against its own passages (``retromae_ds.index``), top-K with
-    global passage indices and the scores of the positives it holds, written to
-    ``topk_rank{r}.npz``; no rank ever holds the whole corpus embedding matrix."""
-    from retromae_ds.index import ExactIndex
+    """Every rank: all queries against its own passages with the index ``refresh.index``
+    names (``retromae_ds.search``; an approximate one's top-K rescored exactly, so the
+    false-negative filter compares exact scores), top-K with global passage indices and the
+    scores of the positives it holds, written to ``topk_rank{r}.npz`` (what the index
+    resolved to: ``index_rank{r}.json``); no rank ever holds the whole corpus embedding
+    matrix."""
+    from retromae_ds.search.build import build_index
+    from retromae_ds.search.exact import rescore
 
     cfg, timings = job.cfg, job.timings
     t0 = time.perf_counter()
-    # the torch backend searches on the refresher's own device (its GPU for this rank)
-    device = pick_device(cfg, job.group.local_rank)
-    index = ExactIndex(passages.shape[1], backend=cfg.index, device=device)
+    choice = index_choice(cfg, len(passages), passages.shape[1])
+    record = job.part("index").with_suffix(".json")
+    with writing(record, "the index record"):
+        atomic_write_text(record, json.dumps(choice.record()))
+    index = build_index(
+        cfg.index,
+        dim=passages.shape[1],
+        n=len(passages),
+        backend=cfg.search_backend,
+        # the torch backend searches on the refresher's own device (its GPU for this rank)
+        device=pick_device(cfg, job.group.local_rank),
+        nprobe=cfg.nprobe,
+        ef_search=cfg.ef_search,
+        train_size=cfg.train_size,
+        seed=cfg.mining.seed,
+        prefix="refresh.",
+    )
     index.add(passages)
     timings["index_build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -312,6 +353,8 @@ def search_stage(job: Job, passages: np.ndarray, queries: np.ndarray, lo: int) -
         disable=not cfg.progress,
     ):
         sc, ix = index.search(queries[s : s + q_step], k)
+        if not choice.exact:
+            sc, ix = rescore(queries[s : s + q_step], passages, ix)
         scores_parts.append(sc)
         ids_parts.append(np.where(ix >= 0, ix + lo, -1))
     scores = np.concatenate(scores_parts) if scores_parts else np.zeros((0, k), np.float32)
@@ -326,7 +369,7 @@ def search_stage(job: Job, passages: np.ndarray, queries: np.ndarray, lo: int) -
 def merge_stage(job: Job) -> Ranking:
     """Rank 0: the ranks' top-K lists merged into one (``merge_topk``) and the positives'
     scores joined (each pair was scored on one rank), written to ``ranking.npz``."""
-    from retromae_ds.index import merge_topk
+    from retromae_ds.search.merge import merge_topk
 
     t0 = time.perf_counter()
     merged = Ranking.load(job.part("topk", 0).with_suffix(".npz"))

@@ -2,7 +2,7 @@
 
 ``evaluate_beir(model_dir_or_encoder, beir_dir, split="test")`` encodes the corpus and the
 split's queries, searches the top ``max(k)`` documents per query by exact inner product
-(``retromae_ds.index``), computes nDCG@10, MRR@10, Recall@100/1000 (``retromae_ds.eval.metrics``),
+(``retromae_ds.search.exact``), computes nDCG@10, MRR@10, Recall@100/1000 (``retromae_ds.eval.metrics``),
 prints a small table and optionally writes everything (means, per-query values, settings,
 timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
@@ -39,7 +39,8 @@ from retromae_ds.eval.rerank import (
     load_candidates,
 )
 from retromae_ds.fsutil import atomic_write_json
-from retromae_ds.index import Backend, ExactIndex, Metric
+from retromae_ds.search.arrays import Backend, Metric
+from retromae_ds.search.exact import ExactIndex
 
 DEFAULT_MAX_LENGTH = 512
 """Tokens per text for a model that records no length of its own."""

@@ -1,9 +1,9 @@
 """GPU check, end-to-end step (b): ANCE fine-tuning of all-MiniLM-L6-v2 on SciFact with the
 local refresher encoding and searching on the device.
 
-``retromae-ds finetune --refresher local --refresh.device DEVICE --refresh.index torch
---negatives.mine_first true``: the trainer saves a step-0 checkpoint and waits until its
-refresher has encoded the corpus with it, searched with the index's ``torch`` backend (exact
+``retromae-ds finetune --refresher local --refresh.device DEVICE --refresh.search_backend
+torch --negatives.mine_first true``: the trainer saves a step-0 checkpoint and waits until its
+refresher has encoded the corpus with it, searched with the ``torch`` search backend (exact
 matmul + top-k on the device) and published a version; every step then trains on model-mined
 negatives, and later checkpoints feed later versions while the trainer runs. Passes when a
 version whose manifest says ``source: model`` was published, the trainer's metrics rows show it
@@ -60,7 +60,8 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
             "--checkpoint.every_steps", str(size["every"]), "--checkpoint.keep_last", "2",
             "--negatives.refresh_every", str(max(1, size["every"] // 2)),
             "--negatives.mine_first", "true", "--negatives.mine_first_timeout_s", "300",
-            "--refresher", "local", "--refresh.device", args.device, "--refresh.index", "torch",
+            "--refresher", "local", "--refresh.device", args.device,
+            "--refresh.search_backend", "torch",
             "--refresh.threads", size["threads"], "--refresh.poll_s", "0.5",
             "--refresh.progress", "false",
             "--refresh.mining.num_negatives", str(size["num_negatives"]),
@@ -90,7 +91,7 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
         "versions_used": used,
         "steps_per_version": {v: sum(r["negatives_version"] == v for r in rows) for v in used},
         "refresh_device": refresh_cfg.get("device"),
-        "refresh_index": refresh_cfg.get("index"),
+        "refresh_search_backend": refresh_cfg.get("search_backend"),
         "first_mined": manifests[mined[0]] if mined else None,
         "losses": [r["loss"] for r in rows],
     }
@@ -102,16 +103,19 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
         raise CheckFailed(f"logged steps {[r['step'] for r in rows]}", figures)
     if not all(math.isfinite(r["loss"]) for r in rows):
         raise CheckFailed("a non-finite loss was logged", figures)
-    if (refresh_cfg.get("device"), refresh_cfg.get("index")) != (args.device, "torch"):
+    if (refresh_cfg.get("device"), refresh_cfg.get("search_backend")) != (args.device, "torch"):
         raise CheckFailed(f"refresher ran with {refresh_cfg}", figures)
     first = manifests[mined[0]]
     if not str(first.get("device", "")).startswith(args.device):
         raise CheckFailed(f"v{mined[0]} was mined on {first.get('device')!r}", figures)
+    if first.get("search_backend") != "torch":
+        raise CheckFailed(f"v{mined[0]} was searched with {first.get('search_backend')!r}", figures)
     timings = first.get("timings", {})
     verdict = (
         f"model-mined negatives v{mined[0]} (from step {first.get('step')}, refresher on "
-        f"{args.device}, torch index: encode {timings.get('encode_passages_s', '?')} s, search "
-        f"{timings.get('search_s', '?')} s) trained on from step "
+        f"{args.device}, torch search backend: encode "
+        f"{timings.get('encode_passages_s', '?')} s, search {timings.get('search_s', '?')} s) "
+        "trained on from step "
         f"{next(r['step'] for r in rows if r['negatives_version'] in mined)}; versions used "
         f"{used}; loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} over {len(rows)} steps"
     )

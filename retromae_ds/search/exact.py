@@ -1,14 +1,15 @@
 """Exact (brute-force) nearest-neighbour search over dense embeddings, by inner product or cosine.
 
-The only module that imports faiss. ``ExactIndex`` holds float32 vectors (``add`` appends, ids
-are row positions in order of addition) and answers ``search(queries_QD, k)`` with
-``(scores_QK float32, ids_QK int64)``, best first. Backends: ``"faiss"`` (flat inner-product
-index; on GPUs when faiss was built with them and torch sees CUDA, else faiss-cpu) and
-``"torch"`` (matmul + topk on any torch device, the plain reference and a GPU path without
-faiss-gpu). ``block_rows`` splits the vectors into several indexes searched one after another
-with their top-k merged, so a corpus larger than one index (or one GPU) still gets an exact
-answer; ``search_blocks`` does the same over an iterable of arrays loaded one at a time (e.g.
-memory-mapped embedding shards), and ``merge_topk`` merges results computed anywhere else.
+``ExactIndex`` holds float32 vectors (``add`` appends, ids are row positions in order of
+addition) and answers ``search(queries_QD, k)`` with ``(scores_QK float32, ids_QK int64)``, best
+first. Backends: ``"faiss"`` (flat inner-product index, ``faiss_backend.FlatBlock``; on GPUs
+when faiss was built with them and torch sees CUDA, else faiss-cpu) and ``"torch"`` (matmul +
+topk on any torch device, the plain reference and a GPU path without faiss-gpu).
+``block_rows`` splits the vectors into several indexes searched one after another with their
+top-k merged, so a corpus larger than one index (or one GPU) still gets an exact answer;
+``search_blocks`` does the same over an iterable of arrays loaded one at a time (e.g.
+memory-mapped embedding shards). ``rescore`` gives candidates found by an approximate index
+their exact scores.
 
 Conventions: ``k`` may exceed the number of vectors, missing slots have id ``-1`` and score
 ``-inf``. Ties: merged results (several blocks) order equal scores by id ascending; within one
@@ -19,120 +20,24 @@ index the backend's order stands, and which of several exactly equal scores make
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
 
-import faiss
 import numpy as np
 import torch
 
-Metric = Literal["ip", "cosine"]
-Backend = Literal["auto", "faiss", "torch"]
-Matrix = np.ndarray | torch.Tensor
+from retromae_ds.search.arrays import (
+    BACKENDS,
+    Backend,
+    Matrix,
+    Metric,
+    check_k,
+    check_matrix,
+    check_metric,
+    l2_normalize,
+)
+from retromae_ds.search.faiss_backend import FlatBlock
+from retromae_ds.search.merge import merge_topk, pad_topk
 
 _TORCH_SCORE_BYTES = 2**28  # bound on one [query batch, block rows] float32 score matrix
-_FAISS_GPU_MAX_K = 2048  # faiss's GPU k-selection limit
-
-
-def faiss_gpus_usable() -> bool:
-    """True when faiss was built with GPU support, sees a GPU, and torch sees CUDA too."""
-    return (
-        hasattr(faiss, "StandardGpuResources")
-        and faiss.get_num_gpus() > 0
-        and torch.cuda.is_available()
-    )
-
-
-def check_matrix(x: object, name: str, dim: int | None = None) -> Matrix:
-    """``x`` as a 2-D float32 numpy array or torch tensor, or a clear error saying what is wrong."""
-    if isinstance(x, torch.Tensor):
-        dtype_ok, dtype = x.dtype == torch.float32, str(x.dtype)
-    elif isinstance(x, np.ndarray):
-        dtype_ok, dtype = x.dtype == np.float32, str(x.dtype)
-    else:
-        raise TypeError(f"{name} must be a numpy array or torch tensor, not {type(x).__name__}")
-    if not dtype_ok:
-        raise TypeError(f"{name} has dtype {dtype}; expected float32 (convert with .astype)")
-    if x.ndim != 2:
-        hint = " (use x[None, :] for a single vector)" if x.ndim == 1 else ""
-        raise ValueError(f"{name} must be 2-D [rows, dim]; got shape {tuple(x.shape)}{hint}")
-    if dim is not None and x.shape[1] != dim:
-        raise ValueError(f"{name} have dimension {x.shape[1]}; the index holds dimension {dim}")
-    return x
-
-
-def l2_normalize(x: Matrix) -> Matrix:
-    """Rows scaled to unit L2 norm (a copy; all-zero rows stay zero)."""
-    if isinstance(x, torch.Tensor):
-        return torch.nn.functional.normalize(x, dim=1)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return (x / np.maximum(norms, np.finfo(np.float32).tiny)).astype(np.float32, copy=False)
-
-
-def _to_numpy(x: Matrix) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(x, dtype=np.float32)
-
-
-def _pad(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Widen a ``[Q, <=k]`` result to ``[Q, k]`` with -inf / -1 slots."""
-    missing = k - ids.shape[1]
-    if missing <= 0:
-        return scores, ids
-    return (
-        np.hstack([scores, np.full((len(scores), missing), -np.inf, dtype=np.float32)]),
-        np.hstack([ids, np.full((len(ids), missing), -1, dtype=np.int64)]),
-    )
-
-
-def _check_k(k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        raise ValueError(f"k must be a positive integer, got {k!r}")
-    return int(k)
-
-
-def merge_topk(
-    scores_a: np.ndarray, ids_a: np.ndarray, scores_b: np.ndarray, ids_b: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Best ``k`` of two ``[Q, *]`` results (ids must be global), score descending, id ascending.
-
-    Padding slots (id -1) sort last and pad the output when both inputs hold fewer than k.
-    """
-    scores = np.concatenate([scores_a, scores_b], axis=1).astype(np.float32, copy=False)
-    ids = np.concatenate([ids_a, ids_b], axis=1).astype(np.int64, copy=False)
-    padding = ids < 0
-    scores = np.where(padding, -np.inf, scores)
-    # lexsort: last key is primary -> padding last, then score descending, then id ascending
-    order = np.lexsort((ids, -scores, padding), axis=1)[:, :k]
-    return _pad(np.take_along_axis(scores, order, 1), np.take_along_axis(ids, order, 1), k)
-
-
-class _FaissBlock:
-    """One flat inner-product faiss index (replicated or sharded over all GPUs when usable)."""
-
-    def __init__(self, dim: int) -> None:
-        self.index = faiss.IndexFlatIP(dim)
-        self.on_gpu = faiss_gpus_usable()
-        if self.on_gpu:
-            options = faiss.GpuMultipleClonerOptions()
-            options.shard = faiss.get_num_gpus() > 1  # spread a big corpus over the GPUs
-            self.index = faiss.index_cpu_to_all_gpus(self.index, co=options)
-
-    @property
-    def ntotal(self) -> int:
-        return int(self.index.ntotal)
-
-    def add(self, x_ND: Matrix) -> None:
-        self.index.add(_to_numpy(x_ND))
-
-    def search(self, q_QD: Matrix, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.on_gpu and k > _FAISS_GPU_MAX_K:
-            raise ValueError(
-                f"faiss on GPU searches at most k={_FAISS_GPU_MAX_K}; got k={k} "
-                "(use backend='torch' for deeper searches)"
-            )
-        scores, ids = self.index.search(_to_numpy(q_QD), k)
-        return scores, ids.astype(np.int64, copy=False)
 
 
 class _TorchBlock:
@@ -194,16 +99,15 @@ class ExactIndex:
     ) -> None:
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
-        if metric not in ("ip", "cosine"):
-            raise ValueError(f"metric must be 'ip' or 'cosine', got {metric!r}")
-        if backend not in ("auto", "faiss", "torch"):
+        check_metric(metric)
+        if backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto', 'faiss' or 'torch', got {backend!r}")
         if block_rows is not None and block_rows < 1:
             raise ValueError(f"block_rows must be >= 1 or None, got {block_rows}")
         self.dim, self.metric, self.block_rows = dim, metric, block_rows
         self.backend = "faiss" if backend == "auto" else backend
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._blocks: list[_FaissBlock | _TorchBlock] = []
+        self._blocks: list[FlatBlock | _TorchBlock] = []
 
     @classmethod
     def build(cls, embeddings_ND: Matrix, **kwargs) -> ExactIndex:
@@ -217,9 +121,9 @@ class ExactIndex:
     def ntotal(self) -> int:
         return sum(b.ntotal for b in self._blocks)
 
-    def _new_block(self) -> _FaissBlock | _TorchBlock:
+    def _new_block(self) -> FlatBlock | _TorchBlock:
         if self.backend == "faiss":
-            return _FaissBlock(self.dim)
+            return FlatBlock(self.dim)
         return _TorchBlock(self.dim, self.device)
 
     def add(self, embeddings_ND: Matrix) -> None:
@@ -242,7 +146,7 @@ class ExactIndex:
     def search(self, queries_QD: Matrix, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(scores_QK, ids_QK)``, best first; slots beyond ``ntotal`` hold -inf / -1."""
         q = check_matrix(queries_QD, "queries", self.dim)
-        k = _check_k(k)
+        k = check_k(k)
         if self.metric == "cosine":
             q = l2_normalize(q)
         scores = np.empty((q.shape[0], 0), dtype=np.float32)
@@ -258,7 +162,7 @@ class ExactIndex:
                 else:
                     scores, ids = merge_topk(scores, ids, block_scores, block_ids, k)
             offset += n
-        return _pad(scores, ids, k)
+        return pad_topk(scores, ids, k)
 
 
 def search_blocks(
@@ -276,7 +180,7 @@ def search_blocks(
     returned ids are row positions in the concatenation.
     """
     q = check_matrix(queries_QD, "queries")
-    k = _check_k(k)
+    k = check_k(k)
     scores = np.empty((q.shape[0], 0), dtype=np.float32)
     ids = np.empty((q.shape[0], 0), dtype=np.int64)
     offset = 0
@@ -289,4 +193,42 @@ def search_blocks(
         scores, ids = merge_topk(scores, ids, block_scores, block_ids, k)
         offset += block.shape[0]
         del index  # frees the block's (GPU) memory before the next one is loaded
-    return _pad(scores, ids, k)
+    return pad_topk(scores, ids, k)
+
+
+def rescore(
+    queries_QD: np.ndarray,
+    vectors_ND: np.ndarray,
+    ids_QK: np.ndarray,
+    *,
+    metric: Metric = "ip",
+    offset: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact scores of the candidates ``ids_QK`` (rows ``ids - offset`` of ``vectors_ND``; -1:
+    none), each row re-sorted by them: score descending, id ascending, missing slots last.
+
+    An index that ranks by compressed codes (PQ) returns approximate scores; the refresher's
+    false-negative filter compares candidates' scores with the positives' exact ones, so it
+    gets these. Works in query batches, so memory stays at about 64 MiB of gathered vectors.
+    """
+    check_metric(metric)
+    queries_QD = check_matrix(queries_QD, "queries")
+    vectors_ND = check_matrix(vectors_ND, "vectors", queries_QD.shape[1])
+    k = ids_QK.shape[1]
+    scores = np.full(ids_QK.shape, -np.inf, dtype=np.float32)
+    step = max(1, 2**26 // (4 * max(1, k * queries_QD.shape[1])))
+    for start in range(0, len(ids_QK), step):
+        ids = ids_QK[start : start + step]
+        q = np.asarray(queries_QD[start : start + step], dtype=np.float32)
+        rows = np.where(ids >= 0, ids - offset, 0)
+        cand_QKD = np.asarray(vectors_ND[rows.ravel()], dtype=np.float32).reshape(*ids.shape, -1)
+        if metric == "cosine":
+            q = l2_normalize(q)
+            cand_QKD = l2_normalize(cand_QKD.reshape(-1, cand_QKD.shape[-1])).reshape(
+                cand_QKD.shape
+            )
+        exact = np.einsum("qd,qkd->qk", q, cand_QKD).astype(np.float32)
+        scores[start : start + step] = np.where(ids >= 0, exact, -np.inf)
+    padding = ids_QK < 0
+    order = np.lexsort((ids_QK, -scores, padding), axis=1)
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(ids_QK, order, 1)
