@@ -6,7 +6,8 @@ For each encoder size and objective it times the same batches through
 - ``deepspeed``: the project's DeepSpeed engine (one process, ZeRO-2),
 
 and reports tokens/s, the ratio DeepSpeed / plain torch (the engine's overhead) and the cost of
-each decoder as the ratio objective / MLM. Decoder objectives run twice, on the reference
+each decoder as the ratio objective / MLM (DupMAE: RetroMAE's decoder plus the bag-of-words
+task, the MLM head over every ordinary token: its cost over RetroMAE is dupmae / retromae). Decoder objectives run twice, on the reference
 attention path (dense mask + SDPA) and on ``auto`` (FlexAttention on CUDA; window / chunked on
 CPU), so the fused paths are measured against their baseline in the same process. With
 ``--peak-tflops`` (default: 989 for bf16 / 494 for fp32-TF32 on CUDA, an H100/H200's dense
@@ -63,28 +64,28 @@ def _imports(device: str):
     )
 
 
-def make_batches(n, batch, length, decoder, device, M):
+def make_batches(n, batch, length, decoder, device, M, vocab=VOCAB):
     """Full-length rows of Zipf-distributed ids with realistic word starts."""
     _, MaskingConfig, PretrainCollator, SpecialIds = M[:4]
-    special = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=VOCAB)
+    special = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=vocab)
     rng = np.random.default_rng(0)
     collator = PretrainCollator(special, MaskingConfig(), length, decoder=decoder)
     out = []
     for b in range(n):
         items = []
         for r in range(batch):
-            ids = (rng.zipf(1.3, length - 2) % (VOCAB - 5) + 5).astype(np.int32)
+            ids = (rng.zipf(1.3, length - 2) % (vocab - 5) + 5).astype(np.int32)
             starts = (rng.random(length - 2) < 0.75).astype(np.uint8)
             items.append((b * batch + r, ids, starts))
         out.append({k: v.to(device) for k, v in collator(items).items()})
     return out
 
 
-def build(size, objective, attention, length, device, M):
+def build(size, objective, attention, length, device, M, vocab=VOCAB):
     EncoderConfig, build_encoder = M[4], M[5]
     ObjectiveConfig, PretrainModel = M[6][0], M[6][1]
     torch.manual_seed(0)
-    encoder = build_encoder(EncoderConfig(name=size, max_position_embeddings=length), VOCAB, 0)
+    encoder = build_encoder(EncoderConfig(name=size, max_position_embeddings=length), vocab, 0)
     model = PretrainModel(
         encoder, ObjectiveConfig(name=objective, attention=attention, decoder_ratio=0.5)
     )
@@ -154,9 +155,10 @@ def time_deepspeed(model, batches, args, M) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"])
-    p.add_argument("--objectives", nargs="+", default=["retromae", "seed", "mlm"])
+    p.add_argument("--objectives", nargs="+", default=["retromae", "dupmae", "seed", "mlm"])
     p.add_argument("--attention", nargs="+", default=["reference", "auto"])
     p.add_argument("--length", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (BERT: 30522)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
@@ -180,13 +182,14 @@ def main() -> None:
     for size in args.sizes:
         for objective in args.objectives:
             attentions = ["-"] if objective == "mlm" else args.attention
-            batches = make_batches(4, args.batch, args.length, objective != "mlm", args.device, M)
+            decoder = objective != "mlm"
+            batches = make_batches(4, args.batch, args.length, decoder, args.device, M, args.vocab)
             tokens = (
                 sum(int(b["attention_mask"].sum()) for b in batches) / len(batches) * args.steps
             )
             for attention in attentions:
                 attn = "reference" if attention == "-" else attention
-                model = build(size, objective, attn, args.length, args.device, M)
+                model = build(size, objective, attn, args.length, args.device, M, args.vocab)
                 flops_tok = encoder_flops_per_token(model, args.length)
                 t_torch = time_torch(model, batches, args, M)
                 row = {
@@ -196,7 +199,7 @@ def main() -> None:
                     "torch_tokens_per_s": tokens / t_torch,
                 }
                 if not args.no_deepspeed:
-                    model = build(size, objective, attn, args.length, args.device, M)
+                    model = build(size, objective, attn, args.length, args.device, M, args.vocab)
                     try:
                         t_ds = time_deepspeed(model, batches, args, M)
                     except Exception as e:  # noqa: BLE001 - the row says why, the others still run
@@ -211,7 +214,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     key = "torch_tokens_per_s" if args.no_deepspeed else "deepspeed_tokens_per_s"
     print(
-        f"\n{args.device} {args.dtype}, batch {args.batch} x length {args.length}, {args.steps} "
+        f"\n{args.device} {args.dtype}, batch {args.batch} x length {args.length}, "
+        f"vocabulary {args.vocab}, {args.steps} "
         f"steps per window, best of {args.repeats}, {torch.get_num_threads()} threads"
         + (f", MFU against {peak:g} TFLOP/s" if peak else "")
     )

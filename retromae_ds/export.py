@@ -10,6 +10,16 @@ hidden state at position 0 -- unnormalised), or ``--pooling`` / ``--normalize`` 
 MLM head is left out; the complete masked-LM model (for continued pre-training) stays in the
 checkpoint's ``encoder/`` folder.
 
+DupMAE's poolings (``--pooling dupmae`` / ``dupmae_bow``, ``retromae_ds.modeling.bow``) need
+the MLM head: for them OUT gets the masked-LM model (body and head, the head's projection
+tied to the word embeddings as trained) and ``dupmae_pooling.json`` (pooling, normalisation,
+``--bow_topk``). ``AutoModel.from_pretrained(OUT)`` still loads the body (the head's weights
+are left aside), ``AutoModelForMaskedLM`` the whole, and ``HFEncoder.from_dir(OUT)`` /
+``retromae-ds eval --model OUT`` give the DupMAE vectors, the same as evaluating the
+checkpoint. sentence-transformers cannot express this pooling with its own modules: the
+folder's sentence-transformers files name CLS pooling, so ``SentenceTransformer(OUT)`` gives
+the [CLS] vector only (the first H entries of ``dupmae``; not ``dupmae_bow`` at all).
+
 OUT also gets ``export.json`` (the source checkpoint and its step), which marks it as an
 export: only such a folder, an empty one or a missing path is replaced; any other non-empty
 folder needs ``overwrite=True`` (``--overwrite``); a folder holding a run or a checkpoint
@@ -44,7 +54,7 @@ from retromae_ds.config import flag
 from retromae_ds.errors import disk_full_error
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_tokenizer_checked, quiet_transformers
-from retromae_ds.modeling.load import load_pretrained
+from retromae_ds.modeling.load import load_pretrained, load_with_head
 from retromae_ds.modeling.positions import usable_positions
 
 EXPORT_MARKER = "export.json"
@@ -127,6 +137,7 @@ def export_encoder(
     pooling: str = "auto",
     *,
     normalize: bool | None = None,
+    bow_topk: int | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write the encoder of ``checkpoint`` to ``out`` (atomically: staged, then renamed).
@@ -139,8 +150,9 @@ def export_encoder(
     ``DiskFull`` naming ``out``; a named checkpoint pruned while being read a
     ``FileNotFoundError`` saying so (a run folder is exported again from its newest).
     """
-    if pooling not in ("auto", "cls", "mean"):
-        raise ValueError(f"pooling must be auto, cls or mean, not {pooling!r}")
+    sbert.check_pooling(pooling)
+    if bow_topk is not None and bow_topk < 0:
+        raise ValueError(f"bow_topk must be >= 0, not {bow_topk}")
     out = Path(out)
     named_run = not ckpt.is_checkpoint(Path(checkpoint))
     gone: Path | None = None
@@ -155,7 +167,7 @@ def export_encoder(
             )
         else:
             _note_newer_incomplete(resolved)
-        if _export_once(resolved, out, pooling, normalize):
+        if _export_once(resolved, out, pooling, normalize, bow_topk):
             return out
         gone = resolved
         if not named_run:
@@ -186,7 +198,9 @@ def _note_newer_incomplete(resolved: Path) -> None:
         )
 
 
-def _export_once(resolved: Path, out: Path, pooling: str, normalize: bool | None) -> bool:
+def _export_once(
+    resolved: Path, out: Path, pooling: str, normalize: bool | None, bow_topk: int | None
+) -> bool:
     """Export ``resolved``'s encoder to ``out``; False (nothing written) when the checkpoint
     was removed, even in part, before everything was read from it."""
     source = resolved / ENCODER
@@ -197,7 +211,7 @@ def _export_once(resolved: Path, out: Path, pooling: str, normalize: bool | None
                 return False
             raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")
         tokenizer = load_tokenizer_checked(source)
-        spec = sbert.resolve(source, pooling, normalize)
+        spec = sbert.resolve(source, pooling, normalize, bow_topk)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = _fresh_sibling(out, ".partial")
         _write_export(staging, source, resolved, spec, tokenizer)
@@ -279,14 +293,20 @@ def _write_export(
     the ``export.json`` marker."""
     from transformers import AutoModel, AutoModelForMaskedLM
 
-    mlm = load_pretrained(AutoModelForMaskedLM, source)
+    with_head = spec.pooling in sbert.HEAD_POOLINGS
+    mlm = load_with_head(source) if with_head else load_pretrained(AutoModelForMaskedLM, source)
     torch.manual_seed(0)  # the (unused, untrained) pooler gets a fixed initialisation
     with quiet_transformers():
-        body = AutoModel.from_config(mlm.config)
-        missing, unexpected = body.load_state_dict(mlm.base_model.state_dict(), strict=False)
-        if unexpected or any(not k.startswith("pooler.") for k in missing):
-            raise RuntimeError(f"encoder body mismatch: missing {missing}, unexpected {unexpected}")
-        body.save_pretrained(str(staging), safe_serialization=True)
+        if with_head:  # DupMAE's poolings: the head stays (see the module doc)
+            mlm.save_pretrained(str(staging), safe_serialization=True)
+        else:
+            body = AutoModel.from_config(mlm.config)
+            missing, unexpected = body.load_state_dict(mlm.base_model.state_dict(), strict=False)
+            if unexpected or any(not k.startswith("pooler.") for k in missing):
+                raise RuntimeError(
+                    f"encoder body mismatch: missing {missing}, unexpected {unexpected}"
+                )
+            body.save_pretrained(str(staging), safe_serialization=True)
         tokenizer.save_pretrained(str(staging))
     if (source / sbert.DUAL_ENCODER_FILE).is_file():  # a fine-tuned encoder's own record
         shutil.copy2(source / sbert.DUAL_ENCODER_FILE, staging / sbert.DUAL_ENCODER_FILE)
@@ -296,12 +316,14 @@ def _write_export(
         spec.pooling,
         spec.max_length or usable_positions(mlm),
         normalize=spec.normalize,
+        bow_topk=spec.bow_topk,
     )
     marker = {
         "source": str(resolved.resolve()),
         "step": _checkpoint_step(resolved),
         "pooling": spec.pooling,
         "normalize": spec.normalize,
+        **({"bow_topk": spec.bow_topk} if with_head else {}),
     }
     (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
@@ -314,10 +336,14 @@ class ExportConfig:
     """A complete checkpoint folder, or a run folder (its newest)."""
     out: str = flag(positional=True)
     """The Hugging Face folder to write."""
-    pooling: str = flag("auto", choices=("auto", "cls", "mean"))
-    """Sentence embedding (auto: the encoder's own, else cls)."""
+    pooling: str = flag("auto", choices=("auto", *sbert.POOLINGS))
+    """Sentence embedding (auto: the encoder's own, else cls); dupmae / dupmae_bow keep the
+    MLM head in OUT (see the module doc)."""
     normalize: bool | None = None
     """L2-normalise embeddings (none: the encoder's own, else no)."""
+    bow_topk: int | None = None
+    """DupMAE poolings: entries of the bag-of-words vector kept (none: the encoder's own,
+    else 256; 0 keeps all)."""
     overwrite: bool = False
     """Replace a non-empty OUT that is not a previous export (never a run or checkpoint)."""
 
@@ -328,6 +354,7 @@ def export_command(cfg: ExportConfig) -> int:
         cfg.out,
         pooling=cfg.pooling,
         normalize=cfg.normalize,
+        bow_topk=cfg.bow_topk,
         overwrite=cfg.overwrite,
     )
     print(f"export: encoder -> {out}")

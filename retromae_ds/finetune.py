@@ -42,7 +42,7 @@ from retromae_ds.ance import handoff
 from retromae_ds.ance.batches import BatchBuilder, batch_stream
 from retromae_ds.ance.bm25 import publish_bm25
 from retromae_ds.ance.local_refresher import start_local_refresher, stop_local_refresher
-from retromae_ds.ance.model import DualEncoder, load_body, save_encoders
+from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.ance.negatives import (
     NegativesInUse,
     NextVersion,
@@ -85,7 +85,13 @@ class DualModelConfig:
     """A local Hugging Face encoder folder, a complete checkpoint, or a run folder."""
     pooling: str = "auto"
     """auto (the init's own: its sentence-transformers files, else cls), cls (RetroMAE's
-    sentence embedding) or mean."""
+    sentence embedding), mean, dupmae_bow (DupMAE's ordinary-token vector, through the MLM
+    head: the init must keep it) or dupmae ([CLS] and that vector concatenated). The DupMAE
+    poolings train with the BM25 negatives or a refresher elsewhere: the local refresher does
+    not encode with them."""
+    bow_topk: int | None = None
+    """DupMAE poolings: entries of the bag-of-words vector kept (none: the init's own, else
+    256; 0 keeps all)."""
     normalize: bool | None = None
     """L2-normalise embeddings (cosine similarity); none: the init's own (else false)."""
     temperature: float | None = None
@@ -95,15 +101,20 @@ class DualModelConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.pooling not in ("auto", "cls", "mean"):
-            raise ValueError(f"model.pooling must be auto, cls or mean, not {self.pooling!r}")
+        if self.pooling != "auto" and self.pooling not in sbert.POOLINGS:
+            raise ValueError(
+                f"model.pooling must be auto or one of {', '.join(sbert.POOLINGS)}, "
+                f"not {self.pooling!r}"
+            )
+        if self.bow_topk is not None and self.bow_topk < 0:
+            raise ValueError(f"model.bow_topk must be >= 0, not {self.bow_topk}")
         if self.temperature is not None and self.temperature <= 0:
             raise ValueError("model.temperature must be > 0")
 
     def resolve(self, init_dir: Path) -> tuple[sbert.EmbeddingSpec, float]:
         """(the embedding settings to train with, the temperature): explicit settings over
         the init's own (``retromae_ds.sbert``)."""
-        spec = sbert.resolve(init_dir, self.pooling, self.normalize)
+        spec = sbert.resolve(init_dir, self.pooling, self.normalize, self.bow_topk)
         temperature = self.temperature or (NORMALIZED_TEMPERATURE if spec.normalize else 1.0)
         return spec, temperature
 
@@ -237,8 +248,15 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     eng.barrier()
 
     spec, temperature = cfg.model.resolve(init_dir)
-    encoder = load_body(init_dir)
-    query_encoder = None if cfg.model.shared else load_body(init_dir)
+    head = spec.pooling in sbert.HEAD_POOLINGS
+    if head and cfg.refresher == "local":
+        raise ValueError(
+            f"model.pooling {spec.pooling} (from {spec.source}): the local refresher does not "
+            "encode with the DupMAE poolings yet; fine-tune with --refresher none (BM25 "
+            "negatives) or pool with cls / mean"
+        )
+    encoder = load_tower(init_dir, head=head)
+    query_encoder = None if cfg.model.shared else load_tower(init_dir, head=head)
     for tower in (encoder, query_encoder):
         if tower is not None and cfg.model.gradient_checkpointing:
             tower.gradient_checkpointing_enable()
@@ -248,6 +266,8 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         pooling=spec.pooling,
         normalize=spec.normalize,
         temperature=temperature,
+        bow_topk=spec.bow_topk,
+        special_ids=ts.special.all,
     )
     # what a user of the saved encoder should read texts up to: the init's own length when it
     # has one (fine-tuning on shorter passages does not shorten what it reads), else the

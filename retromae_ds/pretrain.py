@@ -5,8 +5,8 @@ Also ``python -m retromae_ds.pretrain``. Reads shards, builds the collator and t
 (``retromae_ds.training``): DeepSpeed engine, checkpoints that resume exactly (a run stopped
 after step s and resumed, same world size, computes the same losses at every later step),
 stop signals -> checkpoint -> exit 85 for requeueing; with ``--eval.beir DIR`` it scores the
-encoder's zero-shot retrieval (CLS and mean pooling) every ``--eval.every`` steps into the log
-(``retromae_ds.eval.periodic``). Launch it as one process, with
+encoder's zero-shot retrieval (CLS and mean pooling, DupMAE's on request) every ``--eval.every``
+steps into the log (``retromae_ds.eval.periodic``). Launch it as one process, with
 ``torchrun``, the ``deepspeed`` launcher or ``srun``; rank and world size come from the
 environment.
 """
@@ -183,8 +183,10 @@ def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str,
         tokenizer.model_max_length = usable_positions(encoder)
         tokenizer.save_pretrained(str(staging / ENCODER))
 
-    metrics = ("loss", "mlm_loss", "mlm_accuracy") + (
-        ("decoder_loss", "decoder_accuracy") if has_decoder else ()
+    metrics = (
+        ("loss", "mlm_loss", "mlm_accuracy")
+        + (("decoder_loss", "decoder_accuracy") if has_decoder else ())
+        + (("bow_loss", "bow_recall") if cfg.model.objective.name == "dupmae" else ())
     )
     evaluate = _periodic_eval(cfg, trainer, model, tokenizer_dir) if cfg.eval.enabled else None
     hooks = Hooks(
@@ -208,7 +210,8 @@ def _token_counts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | in
 def _periodic_eval(
     cfg: TrainConfig, trainer: Trainer, model: PretrainModel, tokenizer_dir: Path
 ) -> Callable[[], dict[str, Any]]:
-    """The ``evaluate`` hook of ``eval``: rank 0 scores the encoder body on the sample."""
+    """The ``evaluate`` hook of ``eval``: rank 0 scores the encoder on the sample (the
+    masked-LM model: the DupMAE poolings use its head)."""
     stage = trainer.ds_config.get("zero_optimization", {}).get("stage", 0)
     if stage >= 3:
         raise ValueError(
@@ -223,7 +226,7 @@ def _periodic_eval(
     evaluator = PeriodicEval(cfg.eval)
     tokenizer = load_tokenizer(tokenizer_dir)
     trainer.note(evaluator.describe())
-    return lambda: evaluator(model.encoder.base_model, tokenizer)
+    return lambda: evaluator(model.encoder, tokenizer)
 
 
 def check_vocabulary(

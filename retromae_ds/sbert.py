@@ -11,6 +11,14 @@ evaluation and export default to the encoder's own settings; an explicit setting
 A folder without any of these files (a pre-training checkpoint of another tool) gets CLS
 pooling without normalisation, RetroMAE's sentence embedding.
 
+DupMAE's poolings (``dupmae_bow``: the ordinary tokens' max-pooled MLM-head logits, only their
+``bow_topk`` largest entries kept; ``dupmae``: [CLS] and that vector concatenated;
+``retromae_ds.modeling.bow``) need the MLM head, which sentence-transformers' own modules
+cannot express. A folder made for them holds ``dupmae_pooling.json`` (pooling, normalisation,
+top-k), which this module and ``HFEncoder.from_dir`` read before ``modules.json``; its
+``modules.json`` names CLS pooling, so a plain ``SentenceTransformer(folder)`` gives the [CLS]
+vector only, the first H entries of ``dupmae`` and not ``dupmae_bow`` at all.
+
 A module these encoders cannot reproduce (a Dense projection, max or last-token pooling) is
 a ``ValueError`` naming the file and the field: silently dropping it would give embeddings
 that differ from the model's.
@@ -27,6 +35,13 @@ from pathlib import Path
 from typing import Any
 
 DUAL_ENCODER_FILE = "dual_encoder.json"
+DUPMAE_FILE = "dupmae_pooling.json"
+POOLINGS = ("cls", "mean", "dupmae", "dupmae_bow")
+"""Sentence embeddings an encoder folder can be read with (see the module doc)."""
+HEAD_POOLINGS = ("dupmae", "dupmae_bow")
+"""Poolings that need the encoder's MLM head: its folder must keep it."""
+DEFAULT_BOW_TOPK = 256
+"""Entries of the DupMAE vector kept (the paper's top-k sparsification; 0 keeps all |V|)."""
 MODULES_FILE = "modules.json"
 POOLING_DIR = "1_Pooling"
 NORMALIZE_DIR = "2_Normalize"
@@ -45,12 +60,14 @@ _UNSUPPORTED_MODES = (
 @dataclass(frozen=True)
 class EmbeddingSpec:
     pooling: str
-    """cls or mean."""
+    """One of ``POOLINGS``."""
     normalize: bool
     max_length: int | None
     """Tokens per text the encoder was made to read (None: not recorded)."""
     source: str
     """Where the pooling was read: a file, or ``default``."""
+    bow_topk: int = DEFAULT_BOW_TOPK
+    """DupMAE poolings: entries of the bag-of-words vector kept (0: all)."""
 
 
 def _read_json(path: Path) -> Any:
@@ -115,42 +132,92 @@ def _from_modules(folder: Path) -> tuple[str, bool, str]:
     return pooling, normalize, source
 
 
+def _topk(path: Path, settings: dict[str, Any]) -> int:
+    value = settings.get("bow_topk", DEFAULT_BOW_TOPK)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{path}: bow_topk must be an integer >= 0, not {value!r}")
+    return value
+
+
 def read_spec(folder: str | Path) -> EmbeddingSpec:
     """The encoder's own pooling, normalisation and length (see the module docstring)."""
     folder = Path(folder)
     length = _max_length(folder)
-    settings_file = folder / DUAL_ENCODER_FILE
-    if settings_file.is_file():
+    for name in (DUAL_ENCODER_FILE, DUPMAE_FILE):
+        settings_file = folder / name
+        if not settings_file.is_file():
+            continue
         settings = _read_json(settings_file)
+        if not isinstance(settings, dict):
+            raise ValueError(f"{settings_file}: expected a JSON object")
         pooling = settings.get("pooling")
-        if pooling not in ("cls", "mean"):
-            raise ValueError(f"{settings_file}: pooling must be cls or mean, not {pooling!r}")
-        return EmbeddingSpec(pooling, bool(settings.get("normalize")), length, str(settings_file))
+        if pooling not in POOLINGS:
+            raise ValueError(
+                f"{settings_file}: pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}"
+            )
+        normalize = bool(settings.get("normalize"))
+        topk = _topk(settings_file, settings)
+        return EmbeddingSpec(pooling, normalize, length, str(settings_file), topk)
     if (folder / MODULES_FILE).is_file():
         pooling, normalize, source = _from_modules(folder)
         return EmbeddingSpec(pooling, normalize, length, source)
     return EmbeddingSpec("cls", False, length, "default")
 
 
+def check_pooling(pooling: str, auto: bool = True) -> None:
+    """A ``ValueError`` naming the choices unless ``pooling`` is one (or ``auto``)."""
+    choices = (("auto",) if auto else ()) + POOLINGS
+    if pooling not in choices:
+        raise ValueError(f"pooling must be one of {', '.join(choices)}, not {pooling!r}")
+
+
 def resolve(
-    folder: str | Path, pooling: str = "auto", normalize: bool | None = None
+    folder: str | Path,
+    pooling: str = "auto",
+    normalize: bool | None = None,
+    bow_topk: int | None = None,
 ) -> EmbeddingSpec:
     """``read_spec(folder)`` with the explicit settings put over it (``auto`` / None: the
     folder's own)."""
-    if pooling not in ("auto", "cls", "mean"):
-        raise ValueError(f"pooling must be auto, cls or mean, not {pooling!r}")
+    check_pooling(pooling)
+    if bow_topk is not None and bow_topk < 0:
+        raise ValueError(f"bow_topk must be >= 0, not {bow_topk}")
     spec = read_spec(folder)
     return EmbeddingSpec(
         spec.pooling if pooling == "auto" else pooling,
         spec.normalize if normalize is None else normalize,
         spec.max_length,
         spec.source,
+        spec.bow_topk if bow_topk is None else bow_topk,
     )
 
 
-def write_files(folder: Path, dim: int, pooling: str, max_length: int, *, normalize: bool) -> None:
+def write_files(
+    folder: Path,
+    dim: int,
+    pooling: str,
+    max_length: int,
+    *,
+    normalize: bool,
+    bow_topk: int = DEFAULT_BOW_TOPK,
+) -> None:
     """``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json`` (and the
-    Normalize module when ``normalize``) into a Hugging Face encoder folder."""
+    Normalize module when ``normalize``) into a Hugging Face encoder folder; for a DupMAE
+    pooling also ``dupmae_pooling.json``, with CLS pooling in the sentence-transformers files
+    (see the module doc)."""
+    check_pooling(pooling, auto=False)
+    if pooling in HEAD_POOLINGS:
+        record = {
+            "pooling": pooling,
+            "normalize": normalize,
+            "bow_topk": bow_topk,
+            "note": "read by retromae_ds (HFEncoder.from_dir, retromae-ds eval); a plain "
+            "SentenceTransformer load gives the [CLS] vector only",
+        }
+        (folder / DUPMAE_FILE).write_text(json.dumps(record, indent=2))
+        pooling = "cls"
+    else:
+        (folder / DUPMAE_FILE).unlink(missing_ok=True)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": _MODULE + "Transformer"},
         {"idx": 1, "name": "1", "path": POOLING_DIR, "type": _MODULE + "Pooling"},

@@ -47,6 +47,8 @@ def test_bench_train_runs_every_objective_with_and_without_deepspeed(tmp_path):
     assert {(r["objective"], r["attention"]) for r in rows} == {
         ("retromae", "reference"),
         ("retromae", "auto"),
+        ("dupmae", "reference"),
+        ("dupmae", "auto"),
         ("seed", "reference"),
         ("seed", "auto"),
         ("mlm", "-"),

@@ -49,7 +49,7 @@ def _model(objective: str) -> PretrainModel:
     compile (``compile_parts``); CUDA's (flex) compiles, on the GPU check."""
     torch.manual_seed(0)
     encoder = build_encoder(EncoderConfig(name="tiny"), SPECIAL.vocab_size, SPECIAL.pad)
-    attention = "reference" if objective == "retromae" else "auto"
+    attention = "reference" if objective in ("retromae", "dupmae") else "auto"
     return PretrainModel(encoder, ObjectiveConfig(name=objective, attention=attention))
 
 
@@ -62,7 +62,14 @@ def _fresh_dynamo():
 
 @pytest.mark.parametrize(
     "objective, pack",
-    [("retromae", False), ("seed", False), ("mlm", False), ("retromae", True), ("seed", True)],
+    [
+        ("retromae", False),
+        ("seed", False),
+        ("mlm", False),
+        ("retromae", True),
+        ("seed", True),
+        ("dupmae", True),
+    ],
 )
 def test_each_part_compiles_once_as_one_graph_for_every_length(objective, pack):
     graphs: list[str] = []
@@ -73,7 +80,7 @@ def test_each_part_compiles_once_as_one_graph_for_every_length(objective, pack):
 
     model = _model(objective)
     parts = model.compile_parts(backend=counting)
-    assert len(parts) == {"retromae": 2, "seed": 4, "mlm": 1}[objective]
+    assert len(parts) == {"retromae": 2, "dupmae": 2, "seed": 4, "mlm": 1}[objective]
     lengths = set()
     for batch in _batches(20, pack=pack):
         assert ("doc_ids" in batch) == pack

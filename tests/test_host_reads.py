@@ -69,8 +69,16 @@ def _pretrain_args(run: Path, shards: Path, *extra: str) -> list[str]:
         ("retromae", ["--autocast", "bf16"]),
         ("retromae", ["--data.packing", "true"]),
         ("seed", ["--data.packing", "true"]),
+        ("dupmae", ["--data.packing", "true"]),
     ],
-    ids=["retromae", "mlm", "retromae-autocast-bf16", "retromae-packed", "seed-packed"],
+    ids=[
+        "retromae",
+        "mlm",
+        "retromae-autocast-bf16",
+        "retromae-packed",
+        "seed-packed",
+        "dupmae-packed",
+    ],
 )
 def test_pretraining_reads_from_the_device_only_at_log_rows_and_checkpoints(
     tmp_path, shards, objective, precision
@@ -178,7 +186,7 @@ def test_autocast_refuses_a_deepspeed_config_that_casts_the_weights(tmp_path, sh
     assert "autocast bf16 keeps fp32 weights" in result.stderr.splitlines()[-1]
 
 
-@pytest.mark.parametrize("objective", ["retromae", "seed", "mlm"])
+@pytest.mark.parametrize("objective", ["retromae", "dupmae", "seed", "mlm"])
 def test_gathering_predictions_by_position_equals_the_boolean_mask(objective):
     """The collator's flat label positions (a gather whose size the host knows) give the same
     losses and gradients, bit for bit, as the boolean mask they replace (whose nonzero makes

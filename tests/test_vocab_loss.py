@@ -111,7 +111,7 @@ def _bert_encoder():
     return build_encoder(EncoderConfig(name="tiny", dropout=0.0), SPECIAL.vocab_size, SPECIAL.pad)
 
 
-@pytest.mark.parametrize("objective", ["retromae", "seed", "mlm"])
+@pytest.mark.parametrize("objective", ["retromae", "dupmae", "seed", "mlm"])
 @pytest.mark.parametrize("make", [_bert_encoder, _roberta_encoder])
 def test_pretraining_loss_and_gradients_equal_the_plain_head(objective, make):
     encoder = make()

@@ -5,6 +5,10 @@ pooled sentence embeddings, and the contrastive loss with gathered in-batch nega
 sentence-transformers files and ``dual_encoder.json`` naming the pooling, normalisation,
 temperature and the query/passage lengths it was trained at), which is what the refresher,
 ``retromae-ds eval`` and ``export`` read (``retromae_ds.sbert``).
+
+DupMAE's poolings (``dupmae``, ``dupmae_bow``) train through each tower's MLM head
+(``retromae_ds.modeling.bow``): the towers are then masked-LM models (``load_tower``) and are
+saved with their heads.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from retromae_ds import sbert
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.eval.encode import pool
+from retromae_ds.modeling.bow import bow_vectors, head_weights
 from retromae_ds.modeling.encoder import compile_whole, encode
 
 
@@ -35,6 +40,16 @@ def load_body(folder: str | Path) -> nn.Module:
     return model
 
 
+def load_tower(folder: str | Path, *, head: bool) -> nn.Module:
+    """``load_body``, or with ``head`` the masked-LM model (DupMAE's poolings need its MLM
+    head; a folder without one is a ``ValueError``)."""
+    if not head:
+        return load_body(folder)
+    from retromae_ds.modeling.load import load_with_head
+
+    return load_with_head(folder)
+
+
 class DualEncoder(nn.Module):
     """``forward(batch)`` -> ``{"loss", "accuracy"}`` for a batch made by the fine-tuning
     collator; ``embed(ids, mask, query=...)`` -> pooled embeddings ``[B, D]``."""
@@ -47,25 +62,48 @@ class DualEncoder(nn.Module):
         pooling: str = "cls",
         normalize: bool = False,
         temperature: float = 1.0,
+        bow_topk: int = sbert.DEFAULT_BOW_TOPK,
+        special_ids: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
-        if pooling not in ("cls", "mean") or temperature <= 0:
-            raise ValueError(f"pooling cls|mean and temperature > 0, got {pooling}, {temperature}")
+        if pooling not in sbert.POOLINGS or temperature <= 0:
+            raise ValueError(
+                f"pooling {'|'.join(sbert.POOLINGS)} and temperature > 0, got {pooling}, "
+                f"{temperature}"
+            )
+        self.head = pooling in sbert.HEAD_POOLINGS
+        if self.head and not special_ids:
+            raise ValueError(f"pooling {pooling}: the tokenizer's special ids are needed")
         self.encoder = encoder
         self.query_encoder = query_encoder
         self.pooling, self.normalize, self.temperature = pooling, normalize, temperature
+        self.bow_topk = bow_topk
+        self.register_buffer(
+            "special_ids", torch.tensor(sorted(special_ids), dtype=torch.long), persistent=False
+        )
+
+    def external_parameters(self) -> list[nn.Parameter]:
+        """The towers' MLM-head projections, which the DupMAE pooling reads outside the head's
+        forward (ZeRO-3 gathers them: ``components.engine.initialize``)."""
+        towers = [t for t in (self.encoder, self.query_encoder) if t is not None]
+        return [p for t in towers for p in head_weights(t)] if self.head else []
 
     def compile_parts(self, backend: str = "inductor", device_type: str = "cpu") -> list[nn.Module]:
         """``torch.compile`` each tower in place (``--compile``: whole graphs, dynamic shapes,
         state-dict keys unchanged); pooling and the loss stay eager."""
-        return compile_whole(
-            [t for t in (self.encoder, self.query_encoder) if t is not None], backend
-        )
+        towers = [t for t in (self.encoder, self.query_encoder) if t is not None]
+        # a masked-LM tower runs its body alone (``encode``): that is what to compile
+        return compile_whole([t.base_model if self.head else t for t in towers], backend)
 
     def embed(self, ids_BL: torch.Tensor, mask_BL: torch.Tensor, *, query: bool) -> torch.Tensor:
         tower = self.query_encoder if query and self.query_encoder is not None else self.encoder
         hidden_BLD = encode(tower, ids_BL, mask_BL)
-        emb_BD = pool(hidden_BLD, mask_BL, self.pooling)
+        bow_BV = None
+        if self.head:
+            bow_BV = bow_vectors(
+                tower, hidden_BLD, ids_BL, mask_BL, self.special_ids, self.bow_topk
+            )
+        emb_BD = pool(hidden_BLD, mask_BL, self.pooling, bow_BV)
         return nn.functional.normalize(emb_BD, dim=-1) if self.normalize else emb_BD
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,6 +120,7 @@ class DualEncoder(nn.Module):
             "normalize": self.normalize,
             "temperature": self.temperature,
             "shared": self.query_encoder is None,
+            **({"bow_topk": self.bow_topk} if self.head else {}),
         }
 
 
@@ -119,6 +158,7 @@ def save_encoders(
             model.pooling,
             lengths["max_seq_length"],
             normalize=model.normalize,
+            bow_topk=model.bow_topk,
         )
         settings = {
             **model.settings(),

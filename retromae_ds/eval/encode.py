@@ -5,8 +5,13 @@
 pre-training loop evaluating its own encoder). Calling it encodes in batches of texts of
 similar length (longest first, so padding is small and an out-of-memory error shows at once),
 under ``torch.inference_mode`` with a tqdm bar, and returns float32 ``[N, D]`` in input order.
-Pooling is the first token (``"cls"``, the RetroMAE sentence embedding) or the mask-weighted
-mean (``"mean"``, sentence-transformers models); ``normalize`` scales rows to unit length.
+Pooling is the first token (``"cls"``, the RetroMAE sentence embedding), the mask-weighted
+mean (``"mean"``, sentence-transformers models), DupMAE's ordinary-token vector
+(``"dupmae_bow"``: the MLM head over each ordinary token, max-pooled, its ``bow_topk``
+largest entries kept, D = |V|) or [CLS] and that vector concatenated (``"dupmae"``, D = H + |V|,
+the paper's representation; ``retromae_ds.modeling.bow``). The DupMAE poolings need a
+masked-LM model (its MLM head); ``from_dir`` loads one for them. ``normalize`` scales rows to
+unit length.
 
 Anything else that maps a list of strings to an ``[N, D]`` array can stand in for it:
 ``encode_texts`` calls such an ``Encoder`` and checks what it returns.
@@ -22,11 +27,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from retromae_ds import sbert
 from retromae_ds.hfutil import load_tokenizer_checked
-from retromae_ds.modeling.load import load_pretrained
+from retromae_ds.modeling.bow import bow_vectors
+from retromae_ds.modeling.load import load_pretrained, load_with_head
 
 Encoder = Callable[[list[str]], np.ndarray]
-Pooling = Literal["cls", "mean"]
+Pooling = Literal["cls", "mean", "dupmae", "dupmae_bow"]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -37,15 +44,29 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def pool(
-    hidden_BLD: torch.Tensor, attention_mask_BL: torch.Tensor, pooling: Pooling
+    hidden_BLD: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    pooling: Pooling,
+    bow_BV: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sentence embeddings ``[B, D]`` from the last hidden states."""
+    """Sentence embeddings ``[B, D]`` from the last hidden states; the DupMAE poolings also
+    from the batch's ordinary-token vectors ``bow_BV`` (``modeling.bow.bow_vectors``, which
+    needs the MLM head and the token ids)."""
     if pooling == "cls":
         return hidden_BLD[:, 0]
     if pooling == "mean":
         mask_BL1 = attention_mask_BL.unsqueeze(-1).to(hidden_BLD.dtype)
         return (hidden_BLD * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
-    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+    if pooling in sbert.HEAD_POOLINGS:
+        if bow_BV is None:
+            raise ValueError(
+                f"pooling {pooling!r} needs the encoder's MLM head and the token ids: encode "
+                "with HFEncoder (a masked-LM model) or modeling.bow.bow_vectors"
+            )
+        if pooling == "dupmae_bow":
+            return bow_BV
+        return torch.cat([hidden_BLD[:, 0].to(bow_BV.dtype), bow_BV], dim=-1)
+    raise ValueError(f"pooling must be one of {', '.join(sbert.POOLINGS)}, got {pooling!r}")
 
 
 class HFEncoder:
@@ -55,8 +76,10 @@ class HFEncoder:
         model: a transformers model whose output has ``last_hidden_state`` (or a tuple whose
             first element is it). It is not moved unless ``device`` says so.
         tokenizer: the matching tokenizer (fast or slow).
-        pooling: ``"cls"`` or ``"mean"``.
+        pooling: ``"cls"``, ``"mean"``, ``"dupmae_bow"`` or ``"dupmae"`` (those two need a
+            masked-LM ``model``: its MLM head; the hidden states come from its body).
         normalize: L2-normalise the embeddings.
+        bow_topk: DupMAE poolings: entries of the bag-of-words vector kept (0: all).
         max_length: tokens per text, special tokens included (longer texts are truncated);
             capped by the tokenizer's ``model_max_length`` and the model's position embeddings
             (``self.max_length`` is the length used, ``self.capped_by`` the limit that capped
@@ -74,14 +97,16 @@ class HFEncoder:
         *,
         pooling: Pooling = "cls",
         normalize: bool = False,
+        bow_topk: int = sbert.DEFAULT_BOW_TOPK,
         max_length: int = 512,
         batch_size: int = 64,
         device: str | torch.device | None = "auto",
         amp_dtype: torch.dtype | None = None,
         progress: bool = True,
     ) -> None:
-        if pooling not in ("cls", "mean"):
-            raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+        sbert.check_pooling(pooling, auto=False)
+        if bow_topk < 0:
+            raise ValueError(f"bow_topk must be >= 0, got {bow_topk}")
         if max_length < 2 or batch_size < 1:
             raise ValueError(
                 f"need max_length >= 2 and batch_size >= 1, got {max_length}, {batch_size}"
@@ -100,7 +125,9 @@ class HFEncoder:
             if isinstance(limit, int) and 0 < limit < self.max_length:
                 self.max_length, self.capped_by = limit, reason
         self.pooling, self.normalize, self.batch_size = pooling, normalize, batch_size
-        self.amp_dtype, self.progress = amp_dtype, progress
+        self.amp_dtype, self.progress, self.bow_topk = amp_dtype, progress, bow_topk
+        if pooling in sbert.HEAD_POOLINGS:
+            self._check_head(pooling)
 
     @classmethod
     def from_dir(
@@ -108,19 +135,42 @@ class HFEncoder:
     ) -> HFEncoder:
         """Load a local model folder, a checkpoint's or a run's encoder
         (``checkpoint.resolve_encoder``; never downloads); kwargs as for the constructor.
-        A folder without a usable tokenizer is a ``ValueError`` (``load_tokenizer_checked``)."""
+        A folder without a usable tokenizer is a ``ValueError`` (``load_tokenizer_checked``).
+        A DupMAE pooling loads the masked-LM model (a folder without an MLM head is a
+        ``ValueError``) with the folder's own ``bow_topk`` unless one is given."""
         from transformers import AutoModel
 
         from retromae_ds.components.checkpoint import resolve_encoder
 
         model_dir = resolve_encoder(model_dir)  # a checkpoint's encoder checked against its record
         tokenizer = load_tokenizer_checked(model_dir)
-        model = load_pretrained(AutoModel, model_dir)  # an MLM folder: no pooler, expected
+        if kwargs.get("pooling") in sbert.HEAD_POOLINGS:
+            kwargs.setdefault("bow_topk", sbert.read_spec(model_dir).bow_topk)
+            model = load_with_head(model_dir)
+        else:
+            model = load_pretrained(AutoModel, model_dir)  # an MLM folder: no pooler, expected
         return cls(model, tokenizer, device=resolve_device(device), **kwargs)
+
+    def _check_head(self, pooling: str) -> None:
+        from retromae_ds.modeling.encoder import mlm_head
+
+        try:
+            mlm_head(self.model)
+        except TypeError:
+            raise ValueError(
+                f"pooling {pooling!r} needs the encoder's MLM head; {type(self.model).__name__} "
+                "has none (load the masked-LM model: HFEncoder.from_dir does)"
+            ) from None
+
+    def dim_of(self, pooling: str) -> int:
+        """Entries of one embedding with ``pooling``."""
+        config = self.model.config
+        hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+        return {"dupmae_bow": vocab, "dupmae": hidden + vocab}.get(pooling, hidden)
 
     @property
     def dim(self) -> int:
-        return int(self.model.config.hidden_size)
+        return self.dim_of(self.pooling)
 
     def __call__(self, texts: Sequence[str], desc: str = "encode") -> np.ndarray:
         """Embeddings float32 ``[len(texts), D]``, row i for ``texts[i]``."""
@@ -131,12 +181,17 @@ class HFEncoder:
     ) -> dict[str, np.ndarray]:
         """One forward pass per batch, several poolings of it: ``{pooling: [len(texts), D]}``
         float32 (e.g. CLS and mean side by side at the cost of one encoding)."""
-        bad = [p for p in poolings if p not in ("cls", "mean")]
+        bad = [p for p in poolings if p not in sbert.POOLINGS]
         if bad or not poolings:
-            raise ValueError(f"poolings must be 'cls' and/or 'mean', got {list(poolings)!r}")
+            raise ValueError(
+                f"poolings must be among {', '.join(sbert.POOLINGS)}, got {list(poolings)!r}"
+            )
+        for name in poolings:
+            if name in sbert.HEAD_POOLINGS:
+                self._check_head(name)
         texts = list(texts)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        out = {p: np.empty((len(texts), self.dim), dtype=np.float32) for p in poolings}
+        out = {p: np.empty((len(texts), self.dim_of(p)), dtype=np.float32) for p in poolings}
         was_training = self.model.training
         self.model.eval()
         try:
@@ -160,14 +215,28 @@ class HFEncoder:
             texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         batch = {name: t.to(self.device) for name, t in batch.items()}
+        body = getattr(self.model, "base_model", self.model)  # a masked-LM model's encoder
+        bow_BV = None
         with torch.autocast(
             self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
         ):
-            output = self.model(**batch)
-        hidden_BLD = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            output = body(**batch)
+            hidden_BLD = (
+                output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+            )
+            if any(name in sbert.HEAD_POOLINGS for name in poolings):
+                special_ids = torch.tensor(sorted(set(self.tokenizer.all_special_ids)))
+                bow_BV = bow_vectors(
+                    self.model,
+                    hidden_BLD,
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    special_ids,
+                    self.bow_topk,
+                )
         out = {}
         for name in poolings:
-            emb_BD = pool(hidden_BLD, batch["attention_mask"], name).float()
+            emb_BD = pool(hidden_BLD, batch["attention_mask"], name, bow_BV).float()
             if self.normalize:
                 emb_BD = torch.nn.functional.normalize(emb_BD, dim=-1)
             out[name] = emb_BD.cpu().numpy()

@@ -5,7 +5,7 @@ N``). ``PeriodicEval`` loads the BEIR split once, draws a fixed sample of it (``
 judged queries, their judged documents plus other documents up to ``max_docs``; the sample
 depends only on ``sample_seed``, so every run — every objective, every seed — is measured on
 the same queries and documents), and, called with the current encoder, encodes the sample once
-and scores CLS and mean pooling side by side: nDCG@10, MRR@10 and Recall@100 by exact
+and scores CLS and mean pooling (or DupMAE's, ``retromae_ds.modeling.bow``) side by side: nDCG@10, MRR@10 and Recall@100 by exact
 inner-product search, the same code as ``retromae-ds eval`` (``evaluate_embeddings``).
 
 It never disturbs the training it observes: the model is put in eval mode and back, no
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from retromae_ds import sbert
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
@@ -50,7 +51,11 @@ class EvalConfig:
     sample_seed: int = 0
     """Seed of the sample (independent of the run's seed: every run sees the same sample)."""
     poolings: list[str] = field(default_factory=lambda: ["cls", "mean"])
-    """Sentence embeddings scored, from one encoding pass."""
+    """Sentence embeddings scored, from one encoding pass: cls, mean, dupmae_bow, dupmae
+    (the DupMAE poolings go through the MLM head, any objective's; their vectors have |V|
+    entries: mind ``max_docs``)."""
+    bow_topk: int = sbert.DEFAULT_BOW_TOPK
+    """DupMAE poolings: entries of the bag-of-words vector kept (0: all)."""
     max_length: int = 128
     """Tokens per text (special tokens included)."""
     batch_size: int = 64
@@ -59,9 +64,13 @@ class EvalConfig:
     """Encode under bf16 autocast (faster on GPUs and AVX-512 CPUs)."""
 
     def __post_init__(self) -> None:
-        bad = [p for p in self.poolings if p not in ("cls", "mean")]
+        bad = [p for p in self.poolings if p not in sbert.POOLINGS]
         if bad or not self.poolings:
-            raise ValueError(f"eval.poolings must be cls and/or mean, got {self.poolings!r}")
+            raise ValueError(
+                f"eval.poolings must be among {', '.join(sbert.POOLINGS)}, got {self.poolings!r}"
+            )
+        if self.bow_topk < 0:
+            raise ValueError(f"eval.bow_topk must be >= 0, got {self.bow_topk}")
         if self.every < 0 or self.max_queries < 0 or self.max_docs < 0:
             raise ValueError("eval.every, eval.max_queries and eval.max_docs must be >= 0")
         if self.max_length < 2 or self.batch_size < 1:
@@ -121,7 +130,8 @@ class PeriodicEval:
 
     def __call__(self, model: torch.nn.Module, tokenizer: Any) -> dict[str, float]:
         """``{"eval/NAME/POOLING/MEASURE": value, ..., "eval_seconds": s}``; leaves the model's
-        mode and every random-number generator as it found them."""
+        mode and every random-number generator as it found them. The DupMAE poolings need
+        ``model`` to be the masked-LM model (its MLM head)."""
         from retromae_ds.eval.encode import HFEncoder
         from retromae_ds.eval.run import evaluate_embeddings
 
@@ -135,6 +145,7 @@ class PeriodicEval:
             device="auto",
             amp_dtype=torch.bfloat16 if cfg.bf16 else None,
             progress=False,
+            bow_topk=cfg.bow_topk,
         )
         cuda = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):

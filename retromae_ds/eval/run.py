@@ -7,7 +7,7 @@ prints a small table and optionally writes everything (means, per-query values, 
 timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
-    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean] [--normalize]
+    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean|dupmae|dupmae_bow] [--normalize]
                      [--rerank [--rerank-negatives N | --candidates FILE]]
 
 ``--rerank`` also ranks each query's candidate list with the same embeddings and reports MAP
@@ -292,7 +292,7 @@ class EvalConfig:
     """BEIR dataset folder (corpus/queries/qrels)."""
     split: str = "test"
     """Qrels split."""
-    pooling: str = flag("auto", choices=("auto", "cls", "mean"))
+    pooling: str = flag("auto", choices=("auto", "cls", "mean", "dupmae", "dupmae_bow"))
     """Sentence embedding (auto: the model's own, read from its sentence-transformers files,
     else cls)."""
     normalize: bool | None = None

@@ -35,3 +35,28 @@ def load_pretrained(
         )
     use_broadcast_mask(model)
     return model
+
+
+HEAD_PREFIXES = ("cls.", "lm_head.")
+"""Weight names of the MLM heads of the BERT (``cls``) and RoBERTa / XLM-R (``lm_head``) models."""
+
+
+def load_with_head(folder: str | Path) -> Any:
+    """The masked-LM model of a local folder, its MLM head included: DupMAE's poolings need it.
+    A folder without the head (an encoder body, e.g. an export made for CLS or mean pooling)
+    is a ``ValueError`` saying where one is found, never a head newly initialised."""
+    from transformers import AutoModelForMaskedLM
+
+    with quiet_transformers():
+        model, info = AutoModelForMaskedLM.from_pretrained(
+            str(folder), local_files_only=True, output_loading_info=True
+        )
+    missing = sorted(k for k in info.get("missing_keys", ()) if k.startswith(HEAD_PREFIXES))
+    if missing:
+        raise ValueError(
+            f"{folder}: no MLM head in its weights ({missing[0]} missing); the DupMAE poolings "
+            "need it: use the pre-training run or checkpoint, or an export made with "
+            "--pooling dupmae / dupmae_bow"
+        )
+    use_broadcast_mask(model)
+    return model

@@ -1,4 +1,5 @@
-"""Pre-training objectives over one encoder: RetroMAE, SEED-Encoder and plain MLM (the control).
+"""Pre-training objectives over one encoder: RetroMAE, DupMAE, SEED-Encoder and plain MLM (the
+control).
 
 RetroMAE (Xiao et al. 2022): loss = w_mlm · encoder MLM + w_dec · decoder reconstruction,
 where the one-layer decoder reconstructs every real token from the sentence embedding alone,
@@ -7,6 +8,11 @@ with "enhanced decoding":
 - query stream  H1[i] = embeddings(inputs_embeds = sentence embedding)[i] (adds position i);
 - key/value stream H2 = [sentence embedding; embeddings(unmasked original tokens)[1:]];
 - position-specific visibility (``retromae_ds.attention.rules``), computed by the attention backend.
+
+DupMAE (Xiao et al., RetroMAE v2): RetroMAE's loss plus w_bow · the bag-of-words loss of the
+ordinary tokens: the MLM head over every ordinary position's final hidden state, max-pooled
+per document into one vocabulary-sized vector whose softmax predicts the document's distinct
+tokens (``modeling.bow``, which states the loss exactly; packed rows pool per document).
 
 SEED-Encoder (Lu et al. 2021): loss = w_mlm · MLM + w_dec · autoregressive reconstruction by a
 weak decoder of ``decoder_layers`` layers (default 3). Decoder position 0 holds the sentence
@@ -30,13 +36,16 @@ from torch import nn
 
 from retromae_ds.attention import TwoStreamSpec, WindowSpec, resolve_backend
 from retromae_ds.attention.packing import Packing, packing_of
+from retromae_ds.modeling.bow import bow_loss, pooled_vocabulary
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import compile_whole, encode, mlm_head
 from retromae_ds.modeling.positions import position_offset
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
 from retromae_ds.special_tokens import IGNORE
 
-OBJECTIVES = ("retromae", "seed", "mlm")
+OBJECTIVES = ("retromae", "dupmae", "seed", "mlm")
+TWO_STREAM = ("retromae", "dupmae")
+"""Objectives with RetroMAE's one-layer two-stream [CLS] decoder."""
 
 
 @dataclass(kw_only=True)
@@ -44,12 +53,16 @@ class ObjectiveConfig:
     """What the encoder is trained to do."""
 
     name: str = "retromae"
-    """``retromae`` (MLM + two-stream decoder), ``seed`` (MLM + weak autoregressive decoder)
-    or ``mlm`` (encoder MLM only, the control)."""
+    """``retromae`` (MLM + two-stream decoder), ``dupmae`` (RetroMAE + the ordinary tokens'
+    bag-of-words task), ``seed`` (MLM + weak autoregressive decoder) or ``mlm`` (encoder MLM
+    only, the control)."""
     mlm_weight: float = 1.0
     """Weight of the encoder MLM loss."""
     decoder_weight: float = 1.0
     """Weight of the decoder reconstruction loss."""
+    bow_weight: float = 0.1
+    """DupMAE: weight of the bag-of-words loss (the reference code's ``bow_loss_weight``
+    default; the paper writes the plain sum)."""
     decoder_ratio: float = 0.5
     """RetroMAE: share of words each decoder query position may not see (the report's
     aggressive ratio; drawn per position by the decoder's attention rule)."""
@@ -64,9 +77,9 @@ class ObjectiveConfig:
     strong_decoder: bool = False
     """SEED-Encoder ablation: full causal attention instead of the window."""
     head: str = "chunked"
-    """Vocabulary loss of the MLM and decoder predictions: ``chunked`` never holds the N×V
-    logits (``modeling.vocab_loss``, same loss and gradients), ``plain`` calls the MLM head
-    on every prediction at once."""
+    """Vocabulary loss of the MLM and decoder predictions (and DupMAE's max-pooled logits):
+    ``chunked`` never holds the N×V logits (``modeling.vocab_loss``, ``modeling.bow``; same
+    loss and gradients), ``plain`` calls the MLM head on every prediction at once."""
     head_chunk: int = 0
     """Predictions per chunk of the chunked head (0: as many as fit 64 MiB of fp32 logits)."""
 
@@ -80,6 +93,8 @@ class ObjectiveConfig:
                 f"objective.attention must be 'auto' or one of {sorted(BACKENDS)}, "
                 f"not {self.attention!r}"
             )
+        if self.bow_weight < 0:
+            raise ValueError(f"objective.bow_weight must be >= 0, got {self.bow_weight}")
         if not 0.0 <= self.decoder_ratio <= 1.0:
             raise ValueError(f"objective.decoder_ratio must be in [0, 1], got {self.decoder_ratio}")
         if self.decoder_layers < 1 or self.window < 1:
@@ -108,7 +123,7 @@ class PretrainModel(nn.Module):
                 backend=objective.attention,
             )
 
-        if objective.name == "retromae":
+        if objective.name in TWO_STREAM:
             self.decoder = layer()
         elif objective.name == "seed":
             self.decoder = nn.ModuleList(layer() for _ in range(objective.decoder_layers))
@@ -136,7 +151,7 @@ class PretrainModel(nn.Module):
         with a symbolic length; CUDA's ``flex`` and the ``window`` and ``reference`` backends
         compile)."""
         parts: list[nn.Module] = [self.encoder.base_model]
-        if self.objective.name == "retromae":
+        if self.objective.name in TWO_STREAM:
             parts += [self.decoder] if self._decoder_compiles(device_type, None) else []
         elif self.objective.name == "seed":
             window = None if self.objective.strong_decoder else self.objective.window
@@ -183,13 +198,47 @@ class PretrainModel(nn.Module):
         }
         loss = self.objective.mlm_weight * mlm_loss
         if self.objective.name != "mlm":
-            decode = self._decoder_loss if self.objective.name == "retromae" else self._seed_loss
+            two_stream = self.objective.name in TWO_STREAM
+            decode = self._decoder_loss if two_stream else self._seed_loss
             dec_loss, dec_accuracy = decode(hidden_BLH, batch, packing)
             out["decoder_loss"] = dec_loss.detach()
             out["decoder_accuracy"] = dec_accuracy
             loss = loss + self.objective.decoder_weight * dec_loss
+        if self.objective.name == "dupmae":
+            b_loss, b_recall = self._bow_loss(hidden_BLH, batch, packing)
+            out["bow_loss"] = b_loss.detach()
+            out["bow_recall"] = b_recall
+            loss = loss + self.objective.bow_weight * b_loss
         out["loss"] = loss
         return out
+
+    def _bow_loss(
+        self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], packing: Packing | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DupMAE's bag-of-words loss (``modeling.bow``): the ordinary positions are the
+        decoder's targets (every real token but the specials), pooled per document: per row,
+        or per ``doc_ids`` entry when the batch is packed."""
+        labels_BL = batch["decoder_labels"]
+        if "decoder_label_positions" in batch:
+            flat_N = batch["decoder_label_positions"]
+        else:  # a batch built elsewhere: the boolean mask (a GPU waits for its count)
+            flat_N = torch.nonzero(labels_BL.flatten() != IGNORE).squeeze(1)
+        B, L, H = hidden_BLH.shape
+        if packing is None:
+            doc_N, docs = torch.div(flat_N, L, rounding_mode="floor"), B
+        else:  # each position's document, in the batch's order
+            doc_N = packing.doc_ids_BL.flatten().index_select(0, flat_N)
+            docs = len(batch["lengths"])
+        features_NH = hidden_BLH.flatten(0, 1).index_select(0, flat_N)
+        pooled_DV = pooled_vocabulary(
+            self.encoder,
+            features_NH,
+            doc_N,
+            docs,
+            chunked=self._head_parts is not None,
+            chunk=self.objective.head_chunk,
+        )
+        return bow_loss(pooled_DV, labels_BL.flatten().index_select(0, flat_N), doc_N)
 
     def _decoder_loss(
         self, hidden_BLH: torch.Tensor, batch: dict[str, torch.Tensor], packing: Packing | None
