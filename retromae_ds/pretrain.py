@@ -81,6 +81,11 @@ class TrainConfig(RunConfig):
     def __post_init__(self) -> None:
         if not self.data.shards:
             raise ValueError("data.shards is required (a folder written by retromae-ds preprocess)")
+        if self.masking.encoder_ratio == 0:
+            raise ValueError(
+                "masking.encoder_ratio 0 masks no word: the encoder's MLM loss would have no "
+                "target (a non-finite loss at step 1); use a ratio > 0 (RetroMAE 0.3, BERT 0.15)"
+            )
         super().__post_init__()
 
 
@@ -116,14 +121,30 @@ def check_max_length(requested: int, manifest: dict[str, Any], shards: str) -> i
     )
 
 
+def check_masking(masking: MaskingConfig, manifest: dict[str, Any], shards: str) -> None:
+    """Refuse an encoder masking ratio that masks no word of any row: a row of ``n`` words
+    gets round(ratio x n) of them masked, and no row of these shards holds more words than
+    tokens (``max_tokens_per_row``)."""
+    longest = manifest["max_tokens_per_row"]
+    if masking.encoder_ratio * longest < 0.5:
+        raise ValueError(
+            f"masking.encoder_ratio {masking.encoder_ratio:g} masks no word: the rows of "
+            f"{shards} hold at most {longest} tokens and round({masking.encoder_ratio:g} x "
+            f"{longest}) = 0, so the MLM loss would have no target; use at least "
+            f"{0.5 / longest:.3g}"
+        )
+
+
 def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
-    # opening checks every shard is there, has its size and can be read: a shard this user
-    # cannot read stops the run here, naming it, before the engine is built
-    data = ShardDataset(cfg.data.shards)
+    # opening checks every shard is there, has its size and can be read, its sha256 against
+    # the manifest and its token ids against the vocabulary: a shard this user cannot read,
+    # a flipped bit or a foreign id stops the run here, naming it, before the engine is built
+    data = ShardDataset(cfg.data.shards, check_shards=True)
     manifest = data.manifest
     max_length = check_max_length(cfg.data.max_length, manifest, cfg.data.shards)
+    check_masking(cfg.masking, manifest, cfg.data.shards)
     special = SpecialIds.from_fingerprint(manifest["tokenizer"])
     has_decoder = cfg.model.objective.name != "mlm"
     collator = PretrainCollator(

@@ -7,7 +7,11 @@ the DeepSpeed files, one ``rank_R.pt`` per rank and the encoder as a Hugging Fac
 pre-training and fine-tuning alike. Every rank writes into ``step_N.partial``; after a barrier
 rank 0 writes the ``COMPLETE`` record and renames the folder, then prunes old checkpoints
 (keep-last-k). DeepSpeed's own ``latest`` file is not written: it is updated by rank 0 before
-the other ranks finish. ``--resume auto`` takes the newest folder with a record.
+the other ranks finish. ``--resume auto`` takes the newest checkpoint that verifies against
+its record (:func:`resolve_resume`); every newer step folder (corrupt, or without a record) is
+set aside as ``step_N.corrupt``, never deleted, so the steps retrained after it are saved and
+pruning never sees it. A run folder whose checkpoints all fail is not started over unless the
+user says so (``--resume none``, which sets them aside as ``step_N.superseded``).
 
 :func:`resolve_checkpoint` and :func:`resolve_encoder` are the one place that turns what a
 user names ("a run folder, a checkpoint, or a Hugging Face folder") into a folder, and the
@@ -158,30 +162,105 @@ def _say_once(log: Callable[[str], None] | None, text: str) -> None:
         log(text)
 
 
+def step_folders(root: Path) -> list[Path]:
+    """Every ``step_N`` folder under ``root``, with or without its record, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def set_aside(folder: Path, why: str) -> Path:
+    """Rename ``folder`` to ``NAME.WHY`` (``NAME.2.WHY``, ... when taken) beside it: out of
+    every listing of checkpoints (resume, pruning, ``eval``), and kept for the user."""
+    target = folder.with_name(f"{folder.name}.{why}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"{folder.name}.{n}.{why}")
+    os.replace(folder, target)
+    return target
+
+
+def _problem(checkpoint: Path) -> str | None:
+    """Why a step folder is no checkpoint to resume from (no record, or a file or the record
+    itself failing :func:`verify`), or None when it verifies."""
+    if not (checkpoint / MARKER).is_file():
+        return f"{checkpoint / MARKER}: missing (the folder lost its completion record)"
+    try:
+        verify(checkpoint)
+    except CheckpointCorrupt as exc:
+        return str(exc)
+    return None
+
+
 def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
-    """``none`` -> None; ``auto`` -> the newest complete checkpoint of the run that verifies
-    (an older one when newer ones are corrupt, saying so through ``log``), or None; a path ->
-    that checkpoint, which must be complete and verify."""
+    """The checkpoint a run resumes from (rank 0, before any rank loads it).
+
+    ``none`` -> None: the run starts over; the step folders already there are set aside as
+    ``step_N.superseded`` (one line), so the new run's checkpoints never mix with them.
+    ``auto`` -> the newest checkpoint of the run that verifies; every newer step folder is
+    set aside as ``step_N.corrupt`` with one line naming what failed, and the fallback is
+    said. None when the run has no step folder; when it has some but none verifies, a
+    :class:`CheckpointCorrupt` naming them (starting over would silently drop the run).
+    A path -> that checkpoint, which must be complete and verify; newer step folders of its
+    own run are set aside as ``step_N.superseded`` (the run rewinds to it)."""
+    root = RunLayout(run_dir).checkpoints
     if resume == "none":
+        _set_aside_newer(root, -1, log, "resume none: starting over at step 0; the checkpoints")
         return None
     if resume == "auto":
-        for candidate in reversed(complete_checkpoints(RunLayout(run_dir).checkpoints)):
-            try:
-                verify(candidate)
-            except CheckpointCorrupt as exc:
-                log(f"resume: skipping {candidate.name}: {exc}")
-                continue
-            return candidate
-        return None
+        bad: list[tuple[Path, str]] = []
+        for candidate in reversed(step_folders(root)):
+            problem = _problem(candidate)
+            if problem is None:
+                for folder, why in bad:
+                    log(f"resume: {folder.name} is corrupt ({why}); set aside as "
+                        f"{set_aside(folder, 'corrupt').name}, not deleted")  # fmt: skip
+                if bad:
+                    log(f"resume: falling back to {candidate.name}, the newest that verifies")
+                return candidate
+            bad.append((candidate, problem))
+        if not bad:
+            return None
+        named = "; ".join(f"{folder.name}: {why}" for folder, why in bad[:3])
+        raise CheckpointCorrupt(
+            f"{root}: none of its {len(bad)} checkpoint(s) verifies ({named}"
+            f"{'; ...' if len(bad) > 3 else ''}); not starting over on its own: rerun with "
+            "--resume none to start at step 0 (they are then set aside as step_N.superseded, "
+            "not deleted)"
+        )
     path = Path(resume)
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MARKER} marker)")
     verify(path)
+    step = read_marker(path).get("step")
+    if path.resolve().parent == root.resolve() and isinstance(step, int):
+        _set_aside_newer(root, step, log, f"resume from {path.name}: the newer checkpoints")
     return path
 
 
+def _set_aside_newer(root: Path, step: int, log, what: str) -> None:
+    """Set the step folders of ``root`` after ``step`` aside as ``*.superseded``, in one line:
+    a run that goes back to ``step`` writes their steps again."""
+    newer = [p for p in step_folders(root) if int(STEP_DIR.match(p.name).group(1)) > step]
+    if newer:
+        moved = [f"{p.name} -> {set_aside(p, 'superseded').name}" for p in newer]
+        log(f"{what} already here are set aside, not deleted: {', '.join(moved)}")
+
+
 def read_marker(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / MARKER).read_text())
+    """A checkpoint's completion record; one that does not parse is a
+    :class:`CheckpointCorrupt` naming the file."""
+    path = ckpt / MARKER
+    data = path.read_bytes()
+    try:
+        record = json.loads(data)
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise CheckpointCorrupt(f"{path}: unreadable completion record ({exc})") from None
+    if not isinstance(record, dict):
+        raise CheckpointCorrupt(f"{path}: unreadable completion record (not a JSON object)")
+    return record
 
 
 class CheckpointCorrupt(ValueError):
@@ -206,6 +285,8 @@ def verify(ckpt: Path, under: str | tuple[str, ...] = "") -> None:
     file list (written before the lists existed) is accepted as it is."""
     try:
         marker = read_marker(ckpt)
+    except CheckpointCorrupt:
+        raise
     except (OSError, ValueError) as exc:
         raise CheckpointCorrupt(f"{ckpt / MARKER}: unreadable completion record ({exc})") from None
     for rel, want in marker.get("files", {}).items():
@@ -346,6 +427,7 @@ class CheckpointManager:
     def __init__(self, layout: RunLayout, *, rank: int, world_size: int, keep_last: int) -> None:
         self.layout = layout
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
+        self._newest: int | None = None
 
     def save(
         self,
@@ -375,10 +457,13 @@ class CheckpointManager:
             record = {"step": step, "world_size": self.world_size, **marker}
             publish(staging, final, record, self.keep_last)
         eng.barrier()
+        self._newest = step
 
     def newest_step(self) -> int | None:
-        newest = latest_complete(self.layout.checkpoints)
-        return None if newest is None else read_marker(newest)["step"]
+        """The step of the newest checkpoint this run knows to be good: the one it resumed
+        from (verified) or the last it wrote; None before either. Never read off the folder
+        names, where a newer folder may be corrupt: the final save depends on it."""
+        return self._newest
 
     def choose(self, resume: str) -> Path | None:
         """The checkpoint ``resume`` names, verified (collective: rank 0 checks the files and
@@ -388,19 +473,16 @@ class CheckpointManager:
         def note(text: str) -> None:
             print(text, file=sys.stderr, flush=True)
 
-        # rank 0 checks the files and chooses; every rank loads the same checkpoint (or
-        # raises the same error)
+        # rank 0 checks the files, sets aside what it passes over and chooses; every rank
+        # loads the same checkpoint (or raises the same error)
         chosen, problem = None, None
         if self.rank == 0:
             try:
                 found = resolve_resume(resume, self.layout.root, log=note)
-            except (FileNotFoundError, ValueError) as exc:
+            except (OSError, ValueError) as exc:
                 problem = exc  # picklable: every rank raises the same error
             else:
                 chosen = None if found is None else str(found)
-                newest = latest_complete(self.layout.checkpoints)
-                if found is not None and resume == "auto" and newest != found:
-                    note(f"resume: falling back to {found.name}, the newest that verifies")
         chosen, problem = eng.broadcast_object((chosen, problem))
         if problem is not None:
             raise problem
@@ -419,4 +501,6 @@ class CheckpointManager:
         eng.load_engine(engine, checkpoint.parent, checkpoint.name)
         rank_state = read_rank_state(checkpoint, self.rank)
         set_rng_state(rank_state["rng"])
+        if checkpoint.resolve().parent == self.layout.checkpoints.resolve():
+            self._newest = marker["step"]  # one of another run's is no checkpoint of this one
         return Restored(checkpoint, marker["step"], marker, rank_state)

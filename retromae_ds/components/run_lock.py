@@ -34,6 +34,14 @@ def check_writable(layout: RunLayout) -> None:
     says so only when written to)."""
     folders = [layout.root, layout.checkpoints, layout.tensorboard]
     files = [layout.metrics, layout.config, layout.ds_config, layout.lock]
+    for path in (layout.root, *layout.root.parents):
+        if path.exists() or path.is_symlink():
+            if not path.is_dir():
+                raise RunFolderNotWritable(
+                    f"{path}: is a file, not a folder; run_dir {layout.root} must be a folder "
+                    "(a new one or an earlier run's)"
+                )
+            break
     try:
         layout.root.mkdir(parents=True, exist_ok=True)
         for folder in (f for f in folders if f.is_dir()):

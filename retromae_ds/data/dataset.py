@@ -3,7 +3,10 @@
 ``ShardDataset(folder)[i]`` returns sample ``i`` as zero-copy numpy views into the mapped
 shard files; ``get_batch(indices)`` gathers many samples with vectorised numpy. Opening reads
 only the manifest (and checks the files' sizes); a shard's Arrow footer is read, and its schema
-and row count checked, on first access. A corpus far larger than RAM costs nothing until
+and row count checked, on first access. ``check_shards=True`` (training) also reads every
+shard once at opening: its sha256 against the manifest and its token ids against the
+vocabulary (threads; about 0.8 s per GB and core here), so a flipped bit or a foreign id
+stops the run before it starts, in one line naming the shard (and the row). A corpus far larger than RAM costs nothing until
 samples are touched, and then only the pages they live on (the maps are advised for random
 access, so the kernel does not read ahead around each sample).
 
@@ -17,6 +20,7 @@ import bisect
 import json
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +117,37 @@ SPECIAL_TOKENS = 2
 """Tokens the collators add around every sample ([CLS] and [SEP])."""
 
 
+def shard_problem(path: Path, sha256: str | None, vocab_size: int) -> str | None:
+    """What is wrong with one shard, as the start of a one-line message naming it: its bytes
+    differ from the manifest's sha256 (a flipped bit, an edit), or a row holds a token id
+    outside ``[0, vocab_size)`` (named with its row, document and value); None when neither.
+    A manifest without a sha256 (synthetic test corpora) skips that check."""
+    changed = bool(sha256) and sha256_file(path) != sha256
+    try:
+        shard = _Shard(path)
+    except ValueError as exc:
+        return f"{path}: sha256 differs from the manifest ({exc})" if changed else str(exc)
+    ids = shard.ids
+    foreign = ""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        at = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+        row = int(np.searchsorted(shard.offsets, at, side="right")) - 1
+        foreign = (
+            f"row {row} (document {shard.doc_id(row)!r}, chunk {shard.chunk_index(row)}) "
+            f"holds token id {int(ids[at])}, outside the vocabulary of {vocab_size} tokens"
+        )
+    del shard, ids  # unmaps the shard: the check leaves no pages behind
+    if changed:
+        detail = f"; its {foreign}" if foreign else ""
+        return (
+            f"{path}: sha256 differs from the manifest: the shard changed since preprocessing "
+            f"wrote it (a flipped bit, an edit){detail}"
+        )
+    if foreign:
+        return f"{path}: {foreign} (a damaged shard, or one made with another tokenizer)"
+    return None
+
+
 def _readable_size(path: Path) -> int:
     """The size of a shard that this process can open for reading, or one clear error naming
     it: checked for every shard when the dataset opens, so an unreadable one stops a run
@@ -155,7 +190,12 @@ class ShardDataset:
         folder: the preprocessing output folder (holding ``manifest.json``).
         tokenizer: the tokenizer the run will use (a Hugging Face fast tokenizer or its
             fingerprint dict); a mismatch with the shards' tokenizer raises ValueError.
-        verify: check every shard's sha256 against the manifest (reads every byte once).
+        verify: check every shard's sha256 against the manifest and its token ids against
+            the vocabulary (``check_shards``), then the manifest's counts and lengths against
+            the shards.
+        check_shards: check every shard's sha256 against the manifest and its token ids
+            against the tokenizer's vocabulary (reads every byte once, shards in parallel):
+            what training does before it starts.
         require_rows: refuse (ValueError) a corpus without a single sample, which is what
             empty or blank-only inputs give; pass False to accept an empty dataset.
     """
@@ -167,6 +207,7 @@ class ShardDataset:
         verify: bool = False,
         *,
         require_rows: bool = True,
+        check_shards: bool = False,
     ) -> None:
         self.folder = Path(folder)
         manifest_path = self.folder / schema.MANIFEST_NAME
@@ -211,17 +252,33 @@ class ShardDataset:
                 raise ValueError(
                     _disagrees(manifest_path, f"shards[{k}].bytes", meta["bytes"], size, str(path))
                 )
+        if verify or check_shards:
+            self._check_shards(manifest_path)
         if verify:
-            for path, meta in zip(self._paths, shards, strict=True):
-                if sha256_file(path) != meta["sha256"]:
-                    raise ValueError(
-                        f"{path}: sha256 differs from the manifest; the shard is corrupt"
-                    )
             self._check_manifest_against_shards(manifest_path)
         self._open: dict[int, _Shard] = {}
         self._pid = os.getpid()
         self._len = int(self._starts[-1])
         self._starts_list = self._starts.tolist()  # bisect on a list beats np.searchsorted per call
+
+    def _check_shards(self, manifest_path: Path) -> None:
+        """Every shard's sha256 against the manifest and its token ids against the
+        vocabulary, shards in parallel (hashlib and numpy release the GIL); raises one
+        ValueError naming the first bad shard (and how many more)."""
+        vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
+        shards = self.manifest["shards"]
+        threads = max(1, min(8, len(shards), os.cpu_count() or 1))
+        with ThreadPoolExecutor(threads) as pool:
+            problems = list(
+                pool.map(
+                    lambda pair: shard_problem(pair[0], pair[1].get("sha256"), vocab_size),
+                    zip(self._paths, shards, strict=True),
+                )
+            )
+        bad = [p for p in problems if p is not None]
+        if bad:
+            more = f" (and {len(bad) - 1} more shard(s))" if len(bad) > 1 else ""
+            raise ValueError(f"{bad[0]}{more}; re-run preprocessing ({manifest_path})")
 
     def _check_manifest_against_shards(self, manifest_path: Path) -> None:
         """``verify``: every count and length the manifest states, recomputed from the shards

@@ -63,6 +63,7 @@ from retromae_ds.data.sources import (
     plan_units,
     read_unit,
 )
+from retromae_ds.errors import DiskFull, disk_full_error
 from retromae_ds.fsutil import atomic_write_text, sha256_file  # noqa: F401 (re-exported)
 
 PLAN_NAME = "plan.json"
@@ -177,7 +178,9 @@ def _init_worker(
 
 
 def _process_unit(unit: Unit) -> dict[str, Any]:
-    """Tokenize one unit and publish its shard; returns its completion record."""
+    """Tokenize one unit and publish its shard; returns its completion record, or for bad
+    input or a full disk the one-line message (``error``, ``disk_full``): a worker process
+    hands back text, which pickles whatever the exception."""
     w = _WORKER
     try:
         docs = read_unit(unit, w["source"], w["on_error"])
@@ -187,13 +190,28 @@ def _process_unit(unit: Unit) -> dict[str, Any]:
         w["backend"], docs.texts, continuation=w["continuation"], segmenter=w["segmenter"]
     )
     batch, counts = build_batch(tokens, docs.ids, w["limit"], w["pack"])
-    name = shard_name(unit.index)
-    final = w["shard_dir"] / f"{name}{schema.SHARD_SUFFIX}"
+    final = w["shard_dir"] / f"{shard_name(unit.index)}{schema.SHARD_SUFFIX}"
+    try:
+        return _publish_shard(unit, final, batch, {**counts, "rejects": docs.rejects})
+    except DiskFull as exc:
+        return {"unit": unit.index, "disk_full": str(exc)}
+
+
+def _publish_shard(
+    unit: Unit, final: Path, batch: pa.RecordBatch, counts: dict[str, Any]
+) -> dict[str, Any]:
+    """Write ``batch`` as shard ``final`` (temporary + rename) and its completion record; a
+    full disk is a :class:`DiskFull` naming the file and the free space, the partial shard
+    removed."""
     tmp = final.with_name(f"{final.name}.tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema.SHARD_SCHEMA) as writer:
-        writer.write_batch(batch)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    with _naming_a_full_disk(final, tmp):
+        with (
+            pa.OSFile(str(tmp), "wb") as sink,
+            pa.ipc.new_file(sink, schema.SHARD_SCHEMA) as writer,
+        ):
+            writer.write_batch(batch)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
     faults.pause("sleep_before_shard_rename_s")  # widens the window a kill lands mid-shard
     os.replace(tmp, final)
     record = {
@@ -202,10 +220,30 @@ def _process_unit(unit: Unit) -> dict[str, Any]:
         "bytes": final.stat().st_size,
         "sha256": sha256_file(final),
         **counts,
-        "rejects": docs.rejects,
     }
-    atomic_write_text(final.with_suffix(".json"), dump_json(record))
+    record_path = final.with_suffix(".json")
+    with _naming_a_full_disk(record_path):
+        atomic_write_text(record_path, dump_json(record))
     return record
+
+
+@contextlib.contextmanager
+def _naming_a_full_disk(path: Path, partial: Path | None = None):
+    """A write of ``path`` that fails for want of space becomes one :class:`DiskFull` naming
+    the file and the free space (pyarrow says only "Error writing bytes to file"); the
+    partial file is removed, giving its space back. Other errors pass unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+        full = disk_full_error(exc, path.parent, path.name)
+        if full is None:
+            raise
+        raise DiskFull(
+            f"{full}; the complete shards are kept: free space, then rerun the same command",
+            full.folder,
+        ) from exc
 
 
 # --------------------------------------------------------------------------- driver side
@@ -452,7 +490,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     limit = cfg.max_length - tok.num_special_tokens_to_add(pair=False)
     plan = {**settings, "tokenizer": fingerprint(tok), "max_tokens_per_row": limit}
     if not _check_plan(out, plan):
-        atomic_write_text(out / PLAN_NAME, dump_json(plan))
+        with _naming_a_full_disk(out / PLAN_NAME):
+            atomic_write_text(out / PLAN_NAME, dump_json(plan))
 
     mine = [u for u in units if u.index % cfg.num_tasks == cfg.task_index]
     problems = _shard_problems(shard_dir, [u.index for u in mine])
@@ -492,7 +531,8 @@ def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
         "num_tasks": cfg.num_tasks,
         "units": [u.index for u in mine],
     }
-    atomic_write_text(marker, dump_json(summary))
+    with _naming_a_full_disk(marker):
+        atomic_write_text(marker, dump_json(summary))
     print(
         f"preprocess task {cfg.task_index}/{cfg.num_tasks}: {len(mine)} shards "
         f"({len(mine) - len(todo)} kept from an earlier run) in {elapsed:.1f}s; "
@@ -575,6 +615,9 @@ def _run_units(
             if "error" in record:
                 bar.close()
                 raise InputError(record["error"])
+            if "disk_full" in record:
+                bar.close()
+                raise DiskFull(record["disk_full"], shard_dir)
             totals["documents"] += record["documents"]
             totals["tokens"] += record["tokens"]
             dt = max(time.perf_counter() - t0, 1e-9)
@@ -651,11 +694,13 @@ def merge(out: Path, progress: bool = True, check_content: bool = True) -> dict[
         ],
     }
     if plan["on_error"] == "skip":
-        atomic_write_text(
-            out / REJECTS_NAME,
-            "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rejects),
-        )
-    atomic_write_text(out / schema.MANIFEST_NAME, dump_json(manifest))
+        with _naming_a_full_disk(out / REJECTS_NAME):
+            atomic_write_text(
+                out / REJECTS_NAME,
+                "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rejects),
+            )
+    with _naming_a_full_disk(out / schema.MANIFEST_NAME):
+        atomic_write_text(out / schema.MANIFEST_NAME, dump_json(manifest))
     return manifest
 
 

@@ -7,8 +7,9 @@ in worker processes.
 
 from __future__ import annotations
 
-import bisect
 import itertools
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,56 +58,132 @@ def continuation_mask(backend) -> np.ndarray | None:
     return mask
 
 
+PIECE_CHARS = 1 << 17
+"""Texts longer than this many characters are tokenized in pieces (``split_long_texts``):
+the tokenizers library holds ~65-115 bytes per character of a text it encodes (offsets,
+alignments, token strings), so one 8.5 MB record peaked at over 1 GB."""
+BATCH_CHARS = 1 << 18
+"""Characters per ``encode_batch`` call (besides ``batch_size`` texts): bounds the tokenizer's
+memory for any mix of document lengths."""
+
+
+def split_long_texts(
+    texts: list[str], piece_chars: int = PIECE_CHARS
+) -> tuple[list[str], np.ndarray]:
+    """(pieces, owner): every text of more than ``piece_chars`` characters cut into pieces of
+    at most that many, each cut just before a space that precedes a non-space character
+    (else before any such whitespace; else, in a window without whitespace, where the limit
+    falls), so every piece but the first starts with one whitespace character and a word. Cut
+    there, WordPiece behind BERT's pre-tokenizer and byte-level BPE give the same tokens as
+    for the whole text. ``owner[k]`` is the index of the text piece ``k`` came from
+    (non-decreasing; an empty text is one empty piece)."""
+    pieces: list[str] = []
+    owner: list[int] = []
+    for doc, text in enumerate(texts):
+        begin = 0
+        while len(text) - begin > piece_chars:
+            end = _cut(text, begin, piece_chars)
+            pieces.append(text[begin:end])
+            owner.append(doc)
+            begin = end
+        pieces.append(text[begin:])
+        owner.append(doc)
+    return pieces, np.asarray(owner, dtype=np.int64)
+
+
+_SPACE_BEFORE_WORD = re.compile(r"\s(?=\S)")
+
+
+def _cut(text: str, begin: int, limit: int) -> int:
+    """Where the piece of ``text`` starting at ``begin`` ends (see ``split_long_texts``): in
+    the second half of its window, the last space followed by a non-space, else the last
+    whitespace followed by one, else the window's end."""
+    end, low = begin + limit, begin + limit // 2
+    at = text.rfind(" ", low, end)
+    while at != -1 and text[at + 1].isspace():
+        at = text.rfind(" ", low, at)
+    if at != -1:
+        return at
+    matches = list(_SPACE_BEFORE_WORD.finditer(text, low, end))
+    return matches[-1].start() if matches else end
+
+
 def tokenize_documents(
     backend,
     texts: list[str],
     batch_size: int = 1024,
     continuation: np.ndarray | None | str = "auto",
     segmenter=None,
+    piece_chars: int = PIECE_CHARS,
 ) -> TokenizedDocs:
     """Tokenize without special tokens. Word starts come from the encodings' word ids, or,
     for WordPiece behind BERT's pre-tokenizer, from the ids themselves (the same flags, twice
     as fast; ``continuation`` is ``continuation_mask(backend)``, computed when "auto").
     With a ``segment.Segmenter``, tokens continuing a segmenter word (Chinese) are no word
-    starts."""
-    docs = _tokenize(backend, texts, batch_size, continuation)
+    starts. A text longer than ``piece_chars`` is tokenized in pieces (``split_long_texts``)
+    and ``batch_size`` texts or ``BATCH_CHARS`` characters at a time, so the memory is
+    bounded whatever a record's length."""
+    pieces, owner = split_long_texts(texts, piece_chars)
+    docs = _tokenize(backend, pieces, batch_size, continuation)
     if segmenter is not None:
         from retromae_ds.data import segment
 
-        segment.apply(segmenter, backend, texts, docs.word_starts, docs.offsets)
+        segment.apply(segmenter, backend, pieces, docs.word_starts, docs.offsets)
+    if len(pieces) != len(texts):  # the documents' offsets: those of their first pieces
+        first_piece = np.searchsorted(owner, np.arange(len(texts) + 1), side="left")
+        docs = TokenizedDocs(docs.ids, docs.word_starts, docs.offsets[first_piece])
     return docs
+
+
+def _batches(texts: list[str], batch_size: int) -> Iterator[tuple[int, int]]:
+    """[begin, end) ranges of at most ``batch_size`` texts and, unless one text alone is
+    longer, ``BATCH_CHARS`` characters."""
+    begin = 0
+    while begin < len(texts):
+        end, chars = begin, 0
+        while end < len(texts) and end - begin < batch_size:
+            chars += len(texts[end])
+            if chars > BATCH_CHARS and end > begin:
+                break
+            end += 1
+        yield begin, end
+        begin = end
 
 
 def _tokenize(backend, texts, batch_size, continuation) -> TokenizedDocs:
     mask = continuation_mask(backend) if isinstance(continuation, str) else continuation
     if mask is not None:
         return _tokenize_wordpiece(backend, texts, batch_size, mask)
-    id_lists: list[list[int]] = []
-    word_lists: list[list[int | None]] = []
-    for begin in range(0, len(texts), batch_size):
-        for enc in backend.encode_batch(
-            texts[begin : begin + batch_size], add_special_tokens=False
-        ):
-            id_lists.append(enc.ids)
-            word_lists.append(enc.word_ids)
-    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-    offsets = np.zeros(len(id_lists) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
-    ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
-    flat_words = itertools.chain.from_iterable(word_lists)
-    try:
-        words = np.fromiter(flat_words, dtype=np.int64, count=total)
-    except TypeError:  # a token outside any word (word id None): make it its own word
-        words = np.array(
-            [-1 if w is None else w for w in itertools.chain.from_iterable(word_lists)],
-            dtype=np.int64,
+    # ids and word starts become arrays batch by batch: Python lists of them would hold
+    # ~40 bytes a token for the whole unit
+    ids_parts: list[np.ndarray] = []
+    starts_parts: list[np.ndarray] = []
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for begin, end in _batches(texts, batch_size):
+        encodings = backend.encode_batch(texts[begin:end], add_special_tokens=False)
+        id_lists = [enc.ids for enc in encodings]
+        word_lists = [enc.word_ids for enc in encodings]
+        n = lengths[begin:end] = np.fromiter(map(len, id_lists), dtype=np.int64, count=end - begin)
+        total = int(n.sum())
+        ids_parts.append(
+            np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
         )
-    starts = np.ones(total, dtype=np.uint8)
-    if total > 1:
-        starts[1:] = words[1:] != words[:-1]
-    starts[words < 0] = 1
-    starts[offsets[:-1][lengths > 0]] = 1
+        try:
+            words = np.fromiter(itertools.chain.from_iterable(word_lists), np.int64, count=total)
+        except TypeError:  # a token outside any word (word id None): make it its own word
+            flat = itertools.chain.from_iterable(word_lists)
+            words = np.array([-1 if w is None else w for w in flat], dtype=np.int64)
+        starts = np.ones(total, dtype=np.uint8)
+        if total > 1:
+            starts[1:] = words[1:] != words[:-1]
+        starts[words < 0] = 1
+        firsts = np.cumsum(n) - n
+        starts[firsts[n > 0]] = 1  # each text's first token
+        starts_parts.append(starts)
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.concatenate([np.zeros(0, np.int32), *ids_parts])
+    starts = np.concatenate([np.zeros(0, np.uint8), *starts_parts])
     return TokenizedDocs(ids, starts, offsets)
 
 
@@ -115,20 +192,18 @@ def _tokenize_wordpiece(
 ) -> TokenizedDocs:
     """Fast path: ``encode_batch_fast`` (no offsets, no word ids) and word starts read off
     the ids; equal to the word-id path for WordPiece behind BERT's pre-tokenizer."""
-    id_lists: list[list[int]] = []
-    for begin in range(0, len(texts), batch_size):
-        id_lists.extend(
-            enc.ids
-            for enc in backend.encode_batch_fast(
-                texts[begin : begin + batch_size], add_special_tokens=False
-            )
+    ids_parts: list[np.ndarray] = []
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    for begin, end in _batches(texts, batch_size):
+        encodings = backend.encode_batch_fast(texts[begin:end], add_special_tokens=False)
+        id_lists = [enc.ids for enc in encodings]
+        n = lengths[begin:end] = np.fromiter(map(len, id_lists), dtype=np.int64, count=end - begin)
+        ids_parts.append(
+            np.fromiter(itertools.chain.from_iterable(id_lists), np.int32, count=int(n.sum()))
         )
-    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-    offsets = np.zeros(len(id_lists) + 1, dtype=np.int64)
+    offsets = np.zeros(len(texts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    ids = np.fromiter(
-        itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(offsets[-1])
-    )
+    ids = np.concatenate([np.zeros(0, np.int32), *ids_parts])
     starts = (~continuation[ids]).view(np.uint8)
     starts[offsets[:-1][lengths > 0]] = 1
     return TokenizedDocs(ids, starts, offsets)
@@ -145,13 +220,14 @@ def chunk_cuts(word_starts: np.ndarray, offsets: np.ndarray, limit: int) -> np.n
     cuts = [offsets[:-1][lengths > 0]]
     for doc in np.flatnonzero(lengths > limit):
         begin, end = int(offsets[doc]), int(offsets[doc + 1])
-        starts = (np.flatnonzero(word_starts[begin:end]) + begin).tolist()
+        # an array, not a list: a list holds ~36 bytes a word of a document of any length
+        starts = np.flatnonzero(word_starts[begin:end]) + begin
         extra = []
         pos = begin
         while end - pos > limit:
             # the last word start in (pos, pos + limit]
-            k = bisect.bisect_right(starts, pos + limit) - 1
-            cut = starts[k] if k >= 0 and starts[k] > pos else pos + limit
+            k = int(np.searchsorted(starts, pos + limit, side="right")) - 1
+            cut = int(starts[k]) if k >= 0 and starts[k] > pos else pos + limit
             extra.append(cut)
             pos = cut
         cuts.append(np.asarray(extra, dtype=np.int64))

@@ -60,7 +60,21 @@ class CheckpointConfig:
     keep_last: int = 3
     """Complete checkpoints to keep (0: all)."""
     resume: str = "auto"
-    """``auto`` (newest complete checkpoint of the run, if any), ``none``, or a path."""
+    """``auto``: the run's newest checkpoint that verifies (newer, corrupt ones are set aside
+    as ``step_N.corrupt``), or step 0 when it has none; a run whose checkpoints all fail is
+    refused. ``none``: start over at step 0 (checkpoints already there are set aside as
+    ``step_N.superseded``). Or the path of a checkpoint."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"checkpoint.{name} must be >= 0 (0: "
+                    f"{'only at the end' if name == 'every_steps' else 'keep all'}), "
+                    f"not {getattr(self, name)}"
+                )
+        if not self.resume:
+            raise ValueError("checkpoint.resume must be auto, none or a checkpoint's path")
 
 
 @dataclass(kw_only=True)
@@ -115,8 +129,11 @@ class RunConfig:
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
 
     def __post_init__(self) -> None:
-        if self.max_steps <= 0 and self.epochs <= 0:
-            raise ValueError("set max_steps or epochs")
+        for name in ("max_steps", "epochs", "stop_at_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.max_steps == 0 and self.epochs == 0:
+            raise ValueError("set max_steps or epochs (both are 0)")
         if self.micro_batch_size < 1 or self.grad_accum < 1:
             raise ValueError("micro_batch_size and grad_accum must be >= 1")
         if self.log_every < 1:

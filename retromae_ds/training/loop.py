@@ -39,7 +39,7 @@ from retromae_ds.components.checkpoint import (
 )
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.metrics_log import MetricsLogger
-from retromae_ds.components.optim import build_optimizer, build_scheduler
+from retromae_ds.components.optim import build_optimizer, build_scheduler, lr_lambda
 from retromae_ds.components.run_lock import hold_run_folder
 from retromae_ds.components.signals import EXIT_REQUEUE, StopRequested, StopSignals
 from retromae_ds.config import apply_renamed, flat_defaults, resume_may_change, to_dict
@@ -95,6 +95,32 @@ def check_resume_config(cfg: RunConfig, saved: Path) -> None:
         )
 
 
+def _saved_max_steps(saved: Path) -> int | None:
+    """``max_steps`` of the config a run saved, when it set one (a checkpoint written before
+    its rank state recorded the one its schedule followed)."""
+    try:
+        value = json.loads(saved.read_text()).get("max_steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def schedule_change(optim, old: int, new: int, step: int) -> str:
+    """The one line a resume with another ``max_steps`` prints: the learning-rate schedule
+    (warm-up and decay) follows the new one from the checkpoint's step on, so the learning
+    rate moves: its value at the checkpoint and at the next step (the ``lr`` of that step's
+    metrics row), under each."""
+    before, after = lr_lambda(optim, old), lr_lambda(optim, new)
+    peak = optim.lr
+    return (
+        f"resume: max_steps {old} -> {new} at step {step}: the learning-rate schedule "
+        f"({optim.schedule}) now runs to step {new}: the learning rate, {peak * before(step):.3g} "
+        f"at the checkpoint, is {peak * after(step + 1):.3g} at step {step + 1} (under "
+        f"max_steps {old}: {peak * before(step + 1):.3g}); keep max_steps to keep the schedule "
+        "(stop_at_step stops earlier without changing it)"
+    )
+
+
 def _recorded_bytes(checkpoint: Path) -> int | None:
     """The bytes a complete checkpoint's record lists: about what the next one needs."""
     try:
@@ -120,8 +146,9 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-TRAINER_STATE = ("sampler", "seen", "rng")
-"""Per-rank state the trainer and the checkpoint manager save themselves."""
+TRAINER_STATE = ("sampler", "seen", "rng", "max_steps")
+"""Per-rank state the trainer and the checkpoint manager save themselves (``max_steps``: the
+one the learning-rate schedule followed, so a resume with another one can say what changes)."""
 
 
 @dataclass
@@ -236,6 +263,15 @@ class Trainer:
         for name, part in self.state.items():
             part.load_state_dict(restored.rank_state[name])
         self.step = restored.step
+        saved_max = restored.rank_state.get("max_steps")  # absent before it was saved
+        if saved_max is None:
+            saved_max = _saved_max_steps(RunLayout(checkpoint.parent.parent).config)
+        if self.dist.rank == 0 and saved_max not in (None, self.max_steps):
+            print(
+                schedule_change(self.cfg.optim, saved_max, self.max_steps, self.step),
+                file=sys.stderr,
+                flush=True,
+            )
         return restored
 
     def start_log(self, note: str | None = None) -> None:
@@ -275,13 +311,15 @@ class Trainer:
                 rank_state={
                     "sampler": self.sampler.state_dict(),
                     "seen": dict(self.seen),
+                    "max_steps": self.max_steps,
                     **{name: part.state_dict() for name, part in self.state.items()},
                 },
                 marker=hooks.marker(),
                 write_models=hooks.write_models,
             )
         except Exception as exc:
-            newest = latest_complete(self.layout.checkpoints)
+            kept_step = self.checkpoints.newest_step()
+            newest = None if kept_step is None else self.layout.checkpoint(kept_step)
             needed = _recorded_bytes(newest) if newest is not None else None
             full = disk_full_error(
                 exc, self.layout.checkpoints, f"the checkpoint of step {step}", needed
@@ -290,7 +328,7 @@ class Trainer:
                 raise
             if self.dist.rank == 0:  # give the space back; a partial folder is never read
                 shutil.rmtree(self.layout.staging(step), ignore_errors=True)
-            kept = f"step {read_marker(newest)['step']}" if newest is not None else "none yet"
+            kept = f"step {kept_step}" if kept_step is not None else "none yet"
             raise DiskFull(
                 f"{full}; the newest complete checkpoint ({kept}) is intact: free space and "
                 "rerun with --resume auto",
@@ -380,6 +418,8 @@ class Trainer:
                 self.logger.advance(step)
                 if step == cfg.stop_at_step or stopping:
                     break
+            # the step of the checkpoint this run resumed from or wrote, never the newest
+            # folder's name: after a fallback past a corrupt one the retrained step is saved
             if self.checkpoints.newest_step() != step:
                 self.save(step, hooks)
         finally:
@@ -484,6 +524,29 @@ def run_guarded(
             return body(stop, dist)
 
 
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT), as a shell reports a process that SIGINT ended."""
+
+
+def interrupted(prog: str, run_dir: str) -> int:
+    """Ctrl-C: one line (rank 0) naming the run's newest complete checkpoint, the one a rerun
+    with ``--resume auto`` continues from; no traceback. The steps after it are lost (a stop
+    signal, ``stop_signals``, checkpoints first)."""
+    if eng.env_int("RANK", "SLURM_PROCID", default=0) == 0:
+        try:
+            newest = latest_complete(RunLayout(run_dir).checkpoints)
+        except OSError:
+            newest = None
+        where = (
+            f"the last complete checkpoint is {newest}: rerun with --resume auto to continue "
+            "from it"
+            if newest is not None
+            else f"no checkpoint in {run_dir} yet: a rerun starts at step 0"
+        )
+        print(f"{prog}: interrupted (Ctrl-C); {where}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
 def run_main(
     config_cls: type,
     run: Callable[[Any], Any],
@@ -517,10 +580,13 @@ def run_main(
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     def build_and_run() -> int:
+        cfg = build_config(config_cls, args.config, overrides)
         try:
-            run(build_config(config_cls, args.config, overrides))
+            run(cfg)
         except StopRequested:
             return EXIT_REQUEUE
+        except KeyboardInterrupt:
+            return interrupted(prog, cfg.run_dir)
         return 0
 
     return run_reporting(prog, build_and_run, errors=(*USER_ERRORS, RunFailed))
