@@ -20,6 +20,16 @@ checkpoint. sentence-transformers cannot express this pooling with its own modul
 folder's sentence-transformers files name CLS pooling, so ``SentenceTransformer(OUT)`` gives
 the [CLS] vector only (the first H entries of ``dupmae``; not ``dupmae_bow`` at all).
 
+A fine-tuning checkpoint with separate towers (``--model.shared false``: ``encoder/`` and
+``query_encoder/``) exports both: the passage tower at OUT's root (what
+``AutoModel.from_pretrained(OUT)`` loads) and the query tower, complete with its tokenizer and
+sentence-transformers files, in ``OUT/query_encoder``; OUT's ``modules.json`` starts with a
+sentence-transformers ``Router`` (sentence-transformers 5 and later) sending queries to that
+folder and documents to the root, so ``SentenceTransformer(OUT).encode_query`` and
+``encode_document`` use the right tower, and ``retromae-ds eval --model OUT`` scores it as it
+scores the run. One line says where each tower is (and, when the installed
+sentence-transformers has no Router, to load the two folders as two models).
+
 OUT also gets ``export.json`` (the source checkpoint and its step), which marks it as an
 export: only such a folder, an empty one or a missing path is replaced; any other non-empty
 folder needs ``overwrite=True`` (``--overwrite``); a folder holding a run or a checkpoint
@@ -49,12 +59,20 @@ import torch
 
 from retromae_ds import sbert
 from retromae_ds.components import checkpoint as ckpt
-from retromae_ds.components.layout import COMPLETE, ENCODER, PARTIAL_DIR, STEP_DIR, RunLayout
+from retromae_ds.components.layout import (
+    COMPLETE,
+    ENCODER,
+    PARTIAL_DIR,
+    QUERY_ENCODER,
+    STEP_DIR,
+    RunLayout,
+)
 from retromae_ds.config import flag
 from retromae_ds.errors import disk_full_error
+from retromae_ds.eval.towers import still_there
 from retromae_ds.fsutil import chmod_tree_as_created
 from retromae_ds.hfutil import load_tokenizer_checked, quiet_transformers
-from retromae_ds.modeling.load import load_pretrained, load_with_head
+from retromae_ds.modeling.load import HEAD_PREFIXES, load_pretrained, load_with_head
 from retromae_ds.modeling.positions import usable_positions
 
 EXPORT_MARKER = "export.json"
@@ -157,7 +175,7 @@ def export_encoder(
     named_run = not ckpt.is_checkpoint(Path(checkpoint))
     gone: Path | None = None
     for _ in range(ATTEMPTS):
-        resolved = ckpt.resolve_checkpoint(checkpoint, under=f"{ENCODER}/")
+        resolved = ckpt.resolve_checkpoint(checkpoint, under=ckpt.MODEL_FILES)
         check_export_target(out, [Path(checkpoint), resolved], overwrite)
         if gone is not None:
             print(
@@ -168,6 +186,8 @@ def export_encoder(
         else:
             _note_newer_incomplete(resolved)
         if _export_once(resolved, out, pooling, normalize, bow_topk):
+            if (out / QUERY_ENCODER).is_dir():
+                print(_towers_note(out), file=sys.stderr, flush=True)
             return out
         gone = resolved
         if not named_run:
@@ -181,6 +201,27 @@ def export_encoder(
         f"{gone}: checkpoint {gone.name} was removed (a live run's keep_last pruning) while "
         f"it was being exported; {hint}"
     )
+
+
+def _towers_note(out: Path) -> str:
+    """Where an export of separate towers put each, and how to load them."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    note = (
+        f"export: separate towers: the query tower is {out / QUERY_ENCODER}, the passage tower "
+        f"{out} (a sentence-transformers Router: encode_query / encode_document; "
+        "retromae-ds eval uses both)"
+    )
+    try:
+        installed = version("sentence-transformers")
+    except PackageNotFoundError:
+        return note
+    if int(installed.split(".")[0]) < 5:  # the Router came with sentence-transformers 5
+        note += (
+            f"; the installed sentence-transformers {installed} has no Router: load "
+            f"{out / QUERY_ENCODER} (queries) and {out} (passages) as two models"
+        )
+    return note
 
 
 def _note_newer_incomplete(resolved: Path) -> None:
@@ -204,19 +245,19 @@ def _export_once(
     """Export ``resolved``'s encoder to ``out``; False (nothing written) when the checkpoint
     was removed, even in part, before everything was read from it."""
     source = resolved / ENCODER
+    query_source = resolved / QUERY_ENCODER if (resolved / QUERY_ENCODER).is_dir() else None
     staging = None
     try:
         if not (source / "config.json").is_file():
-            if not _still_there(resolved):
+            if not still_there(resolved):
                 return False
             raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")
-        tokenizer = load_tokenizer_checked(source)
         spec = sbert.resolve(source, pooling, normalize, bow_topk)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = _fresh_sibling(out, ".partial")
-        _write_export(staging, source, resolved, spec, tokenizer)
+        _write_export(staging, source, resolved, spec, query_source)
         # files are only ever deleted: all still there now means every read saw a whole file
-        if not _still_there(resolved):
+        if not still_there(resolved):
             shutil.rmtree(staging, ignore_errors=True)
             return False
         chmod_tree_as_created(staging)  # readable by a serving job under another user
@@ -226,23 +267,14 @@ def _export_once(
             shutil.rmtree(staging, ignore_errors=True)
         if not isinstance(exc, Exception):
             raise
-        if not _still_there(resolved):  # the loaders' messages would blame the folder
+        if not still_there(resolved):  # the loaders' messages would blame the folder
             return False
-        full = disk_full_error(exc, out, "the export", _folder_bytes(source))
+        size = _folder_bytes(source) + (_folder_bytes(query_source) if query_source else 0)
+        full = disk_full_error(exc, out, "the export", size)
         if full is not None:
             raise full from exc
         raise
     return True
-
-
-def _still_there(checkpoint: Path) -> bool:
-    """Whether the record and every encoder file it lists still exist (a pruned checkpoint
-    loses them one by one)."""
-    try:
-        files = ckpt.read_marker(checkpoint).get("files") or {"encoder/config.json": None}
-    except (OSError, ValueError, AttributeError):
-        return False
-    return all((checkpoint / rel).is_file() for rel in files if rel.startswith(f"{ENCODER}/"))
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -287,18 +319,56 @@ def _checkpoint_step(checkpoint: Path) -> int | None:
 
 
 def _write_export(
-    staging: Path, source: Path, resolved: Path, spec: sbert.EmbeddingSpec, tokenizer
+    staging: Path,
+    source: Path,
+    resolved: Path,
+    spec: sbert.EmbeddingSpec,
+    query_source: Path | None = None,
 ) -> None:
     """The export's files into ``staging``: body, tokenizer, sentence-transformers files and
-    the ``export.json`` marker."""
+    the ``export.json`` marker; with ``query_source`` the query tower in ``query_encoder/``
+    and the Router sending queries there (see the module doc)."""
+    with_head = spec.pooling in sbert.HEAD_POOLINGS
+    files = {"pooling": spec.pooling, "normalize": spec.normalize, "bow_topk": spec.bow_topk}
+    if query_source is not None:
+        query_dir = staging / QUERY_ENCODER
+        query_dir.mkdir()
+        dim, length = _write_tower(query_dir, query_source, with_head)
+        sbert.write_files(query_dir, dim, max_length=spec.max_length or length, **files)
+    dim, length = _write_tower(staging, source, with_head)
+    sbert.write_files(
+        staging,
+        dim,
+        max_length=spec.max_length or length,
+        query_tower=None if query_source is None else QUERY_ENCODER,
+        **files,
+    )
+    marker = {
+        "source": str(resolved.resolve()),
+        "step": _checkpoint_step(resolved),
+        "pooling": spec.pooling,
+        "normalize": spec.normalize,
+        "query_encoder": None if query_source is None else QUERY_ENCODER,
+        **({"bow_topk": spec.bow_topk} if with_head else {}),
+    }
+    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _write_tower(folder: Path, source: Path, with_head: bool) -> tuple[int, int]:
+    """One tower of ``source`` into ``folder``: the body (or, for DupMAE's poolings, the
+    masked-LM model with its head), its tokenizer and a fine-tuned encoder's
+    ``dual_encoder.json``; returns (hidden size, usable positions)."""
     from transformers import AutoModel, AutoModelForMaskedLM
 
-    with_head = spec.pooling in sbert.HEAD_POOLINGS
-    mlm = load_with_head(source) if with_head else load_pretrained(AutoModelForMaskedLM, source)
+    tokenizer = load_tokenizer_checked(source)
+    if with_head:
+        mlm = load_with_head(source)
+    else:  # the head is dropped: a fine-tuned encoder without one is no news
+        mlm = load_pretrained(AutoModelForMaskedLM, source, may_miss=("pooler.", *HEAD_PREFIXES))
     torch.manual_seed(0)  # the (unused, untrained) pooler gets a fixed initialisation
     with quiet_transformers():
         if with_head:  # DupMAE's poolings: the head stays (see the module doc)
-            mlm.save_pretrained(str(staging), safe_serialization=True)
+            mlm.save_pretrained(str(folder), safe_serialization=True)
         else:
             body = AutoModel.from_config(mlm.config)
             missing, unexpected = body.load_state_dict(mlm.base_model.state_dict(), strict=False)
@@ -306,26 +376,11 @@ def _write_export(
                 raise RuntimeError(
                     f"encoder body mismatch: missing {missing}, unexpected {unexpected}"
                 )
-            body.save_pretrained(str(staging), safe_serialization=True)
-        tokenizer.save_pretrained(str(staging))
+            body.save_pretrained(str(folder), safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
     if (source / sbert.DUAL_ENCODER_FILE).is_file():  # a fine-tuned encoder's own record
-        shutil.copy2(source / sbert.DUAL_ENCODER_FILE, staging / sbert.DUAL_ENCODER_FILE)
-    sbert.write_files(
-        staging,
-        mlm.config.hidden_size,
-        spec.pooling,
-        spec.max_length or usable_positions(mlm),
-        normalize=spec.normalize,
-        bow_topk=spec.bow_topk,
-    )
-    marker = {
-        "source": str(resolved.resolve()),
-        "step": _checkpoint_step(resolved),
-        "pooling": spec.pooling,
-        "normalize": spec.normalize,
-        **({"bow_topk": spec.bow_topk} if with_head else {}),
-    }
-    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        shutil.copy2(source / sbert.DUAL_ENCODER_FILE, folder / sbert.DUAL_ENCODER_FILE)
+    return mlm.config.hidden_size, usable_positions(mlm)
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,16 @@ use for N × ``refresh_every`` steps without a newer one is (any refresher: a Sl
 on another machine). ``negatives.on_stale stop`` turns either into a stop: a checkpoint of
 that step is saved, then the run fails in one line (resume once a refresher runs).
 ``--refresher local`` starts ``retromae-ds refresh`` as a subprocess that dies with the
-trainer (Linux's parent-death signal, and ``--parent_pid`` polled by the refresher).
+trainer (Linux's parent-death signal, and ``--parent_pid`` polled by the refresher);
+``--refresher external`` says one runs elsewhere (a Slurm step: ``slurm/finetune.sh``, another
+machine). ``--negatives.mine_first`` waits for the first version a refresher mines, so it needs
+one of the two (refused up front with ``none``); the wait says what it waits for every
+``negatives.wait_report_s`` and ends on a stop signal as training does (the step-0 checkpoint
+is complete: exit 85, resume with ``--resume auto``).
+
+The BEIR files the run tokenizes are fingerprinted (sha256) in ``RUN/data/READY``; a resume
+(or a run reusing ``data.prepared``) against a folder whose files changed since is refused
+naming them (``retromae_ds.ance.data``).
 
 Checkpoints hold ``encoder/`` (and ``query_encoder/``) as Hugging Face folders; the per-rank
 state adds the negatives version in use, so a resumed run builds the same batches as an
@@ -119,6 +128,9 @@ class DualModelConfig:
         return spec, temperature
 
 
+REFRESHERS = ("none", "local", "external")
+"""Who renews the negatives: nobody this trainer knows of, its own subprocess, one elsewhere."""
+
 NORMALIZED_TEMPERATURE = 0.05
 """Contrastive temperature for cosine scores (sentence-transformers' scale 20, SimCSE, E5)."""
 
@@ -135,6 +147,8 @@ class NegativesConfig:
     negatives mined with the initial encoder (BM25 negatives are then never trained on)."""
     mine_first_timeout_s: float = resumable(3600.0)
     """How long to wait for those first mined negatives before failing."""
+    wait_report_s: float = resumable(60.0)
+    """While waiting for those first mined negatives, say what is awaited this often."""
     stale_after: int = resumable(0)
     """Report the negatives as stale once no newer version has come for this many looks
     (``refresh_every`` steps each) since the version in use was taken or this process
@@ -149,6 +163,11 @@ class NegativesConfig:
             raise ValueError(f"negatives.stale_after must be >= 0, got {self.stale_after}")
         if self.on_stale not in ("warn", "stop"):
             raise ValueError(f"negatives.on_stale must be warn or stop, not {self.on_stale!r}")
+        if self.mine_first_timeout_s <= 0 or self.wait_report_s <= 0:
+            raise ValueError(
+                "negatives.mine_first_timeout_s and negatives.wait_report_s must be > 0, not "
+                f"{self.mine_first_timeout_s} and {self.wait_report_s}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -161,8 +180,10 @@ class FinetuneConfig(RunConfig):
     """``refresher_device`` overrode ``refresh.device``; the section's field is the one."""
 
     refresher: str = resumable("none")
-    """none (a refresher runs elsewhere, or not at all) or local (start it as a subprocess;
-    ``refresh.device cpu`` keeps a single GPU for the trainer)."""
+    """none (the trainer renews no negatives itself; a refresher may run elsewhere), local
+    (start it as a subprocess; ``refresh.device cpu`` keeps a single GPU for the trainer) or
+    external (one runs elsewhere: a Slurm step, another machine; what
+    ``negatives.mine_first`` needs when it is not local)."""
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     model: DualModelConfig = field(default_factory=DualModelConfig)
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
@@ -183,8 +204,18 @@ class FinetuneConfig(RunConfig):
             raise ValueError("negatives.n_hard must be >= 0")
         if self.negatives.refresh_every < 1:
             raise ValueError("negatives.refresh_every must be >= 1")
-        if self.refresher not in ("none", "local"):
-            raise ValueError(f"refresher must be none or local, not {self.refresher!r}")
+        if self.refresher not in REFRESHERS:
+            raise ValueError(
+                f"refresher must be one of {', '.join(REFRESHERS)}, not {self.refresher!r}"
+            )
+        if self.negatives.mine_first and self.refresher == "none":
+            raise ValueError(
+                "negatives.mine_first waits for the negatives a refresher mines from the "
+                "step-0 checkpoint, and refresher is none: nothing would ever publish them; "
+                "use --refresher local (a subprocess of this trainer), --refresher external "
+                "when one runs elsewhere (a Slurm step, another machine), or leave "
+                "mine_first out to start on BM25 negatives"
+            )
         if (
             self.refresh.run_dir
             and Path(self.refresh.run_dir).resolve() != Path(self.run_dir).resolve()
@@ -375,6 +406,10 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
                 cfg.negatives.mine_first_timeout_s,
                 layout.refresher_log,
                 trainer.note,
+                stop=stop,
+                report_every_s=cfg.negatives.wait_report_s,
+                checkpoint=layout.checkpoint(0),
+                dist=dist,
             )
             negatives.take(load_negatives(layout.negatives, version, ts), 0)
             trainer.note(f"finetune: step 0: negatives v{version} mined from the initial encoder")

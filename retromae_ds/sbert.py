@@ -25,11 +25,21 @@ that differ from the model's.
 
 ``write_files`` writes the same files for an encoder this tool saves, so sentence-transformers
 loads it with its pooling, normalisation and length.
+
+Separate towers (fine-tuning with ``--model.shared false``): an export holds the passage tower
+at its root and the query tower in a sub-folder, and its ``modules.json`` starts with a
+sentence-transformers ``Router`` (sentence-transformers 5 and later) whose
+``router_config.json`` routes ``query`` to the sub-folder's Transformer and ``document`` to
+the root's: ``SentenceTransformer(folder).encode_query`` / ``encode_document`` use the right
+tower, ``AutoModel.from_pretrained(folder)`` loads the passage tower, and each folder is a
+complete model of its own. ``routed_towers(folder)`` reads that routing (any Router whose
+``query`` and ``document`` routes are one Transformer each), which ``retromae-ds eval`` uses.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +53,7 @@ HEAD_POOLINGS = ("dupmae", "dupmae_bow")
 DEFAULT_BOW_TOPK = 256
 """Entries of the DupMAE vector kept (the paper's top-k sparsification; 0 keeps all |V|)."""
 MODULES_FILE = "modules.json"
+ROUTER_FILE = "router_config.json"
 POOLING_DIR = "1_Pooling"
 NORMALIZE_DIR = "2_Normalize"
 LENGTH_FILE = "sentence_bert_config.json"
@@ -105,17 +116,33 @@ def _pooling_mode(path: Path) -> str:
     return modes[0]
 
 
-def _from_modules(folder: Path) -> tuple[str, bool, str]:
-    """(pooling, normalize, source file) from ``modules.json`` and the Pooling config."""
+def _module_name(kind: str) -> str:
+    """``Transformer`` for ``sentence_transformers.models.Transformer`` and the class's other
+    homes (``sentence_transformers.sentence_transformer.modules.transformer.Transformer``);
+    a class outside sentence-transformers keeps its full name."""
+    return kind.rsplit(".", 1)[-1] if kind.startswith("sentence_transformers.") else kind
+
+
+def _modules(folder: Path) -> list:
     path = folder / MODULES_FILE
     modules = _read_json(path)
     if not isinstance(modules, list):
         raise ValueError(f"{path}: expected a JSON list of modules")
+    return modules
+
+
+def _from_modules(folder: Path) -> tuple[str, bool, str]:
+    """(pooling, normalize, source file) from ``modules.json`` and the Pooling config."""
+    path = folder / MODULES_FILE
+    modules = _modules(folder)
     pooling, normalize, source = None, False, str(path)
     for i, module in enumerate(modules):
         kind = str(module.get("type", "")) if isinstance(module, dict) else ""
-        name = kind.removeprefix(_MODULE)
+        name = _module_name(kind)
         if name == "Transformer":
+            continue
+        if name == "Router" and i == 0:
+            _routes(folder, module)  # checked: one Transformer per route
             continue
         if name == "Pooling":
             pooling_file = folder / str(module.get("path", POOLING_DIR)) / "config.json"
@@ -130,6 +157,48 @@ def _from_modules(folder: Path) -> tuple[str, bool, str]:
     if pooling is None:
         raise ValueError(f"{path}: no sentence_transformers.models.Pooling module")
     return pooling, normalize, source
+
+
+def _routes(folder: Path, module: dict) -> dict[str, Path]:
+    """``{route: its Transformer's folder}`` of the Router ``module`` of ``modules.json``: a
+    ``ValueError`` naming ``router_config.json`` unless every route is one Transformer."""
+    root = folder / str(module.get("path", ""))
+    path = root / ROUTER_FILE
+    config = _read_json(path)
+    types = config.get("types") if isinstance(config, dict) else None
+    structure = config.get("structure") if isinstance(config, dict) else None
+    if not isinstance(types, dict) or not isinstance(structure, dict) or not structure:
+        raise ValueError(f"{path}: expected a Router config with 'types' and 'structure'")
+    routes = {}
+    for route, ids in structure.items():
+        kinds = [_module_name(str(types.get(i, ""))) for i in ids] if isinstance(ids, list) else []
+        if kinds != ["Transformer"]:
+            raise ValueError(
+                f"{path}: route {route!r} is {kinds or ids!r}; only one Transformer per route "
+                "is supported"
+            )
+        routes[str(route)] = root / str(ids[0])
+    return routes
+
+
+def routed_towers(folder: str | Path) -> tuple[Path, Path] | None:
+    """(passage folder, query folder) of a folder whose ``modules.json`` starts with a Router
+    routing ``query`` and ``document`` to two Transformers (see the module doc), else None."""
+    folder = Path(folder)
+    if not (folder / MODULES_FILE).is_file():
+        return None
+    modules = _modules(folder)
+    first = modules[0] if modules and isinstance(modules[0], dict) else {}
+    if _module_name(str(first.get("type", ""))) != "Router":
+        return None
+    routes = _routes(folder, first)
+    if "query" not in routes or "document" not in routes:
+        raise ValueError(
+            f"{folder / str(first.get('path', '')) / ROUTER_FILE}: a Router without both a "
+            f"'query' and a 'document' route (found {', '.join(routes)})"
+        )
+    passage, query = (Path(os.path.normpath(routes[r])) for r in ("document", "query"))
+    return passage, query
 
 
 def _topk(path: Path, settings: dict[str, Any]) -> int:
@@ -200,11 +269,14 @@ def write_files(
     *,
     normalize: bool,
     bow_topk: int = DEFAULT_BOW_TOPK,
+    query_tower: str | None = None,
 ) -> None:
     """``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json`` (and the
     Normalize module when ``normalize``) into a Hugging Face encoder folder; for a DupMAE
     pooling also ``dupmae_pooling.json``, with CLS pooling in the sentence-transformers files
-    (see the module doc)."""
+    (see the module doc). ``query_tower``: the sub-folder holding a separate query tower (a
+    Hugging Face folder already there): the first module is then a Router sending queries
+    to it and documents to this folder's own weights."""
     check_pooling(pooling, auto=False)
     if pooling in HEAD_POOLINGS:
         record = {
@@ -222,6 +294,16 @@ def write_files(
         {"idx": 0, "name": "0", "path": "", "type": _MODULE + "Transformer"},
         {"idx": 1, "name": "1", "path": POOLING_DIR, "type": _MODULE + "Pooling"},
     ]
+    if query_tower is not None:
+        modules[0]["type"] = _MODULE + "Router"
+        router = {
+            "types": {query_tower: _MODULE + "Transformer", ".": _MODULE + "Transformer"},
+            "structure": {"query": [query_tower], "document": ["."]},
+            "parameters": {"default_route": "document", "allow_empty_key": True},
+        }
+        (folder / ROUTER_FILE).write_text(json.dumps(router, indent=2))
+    else:
+        (folder / ROUTER_FILE).unlink(missing_ok=True)
     if normalize:
         modules.append(
             {"idx": 2, "name": "2", "path": NORMALIZE_DIR, "type": _MODULE + "Normalize"}

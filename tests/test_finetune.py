@@ -157,7 +157,8 @@ def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
 ):
     """ANCE's start (``negatives.mine_first``): a step-0 checkpoint, the local refresher mines
     from it, and the first step already uses those negatives; BM25 v0 is never trained on.
-    Without a refresher the trainer fails with a clear error instead of waiting forever."""
+    When no refresher publishes, the trainer fails with a clear error instead of waiting
+    forever (without any refresher, ``tests/test_guard_finetune.py``: refused up front)."""
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
     common = [
@@ -181,5 +182,7 @@ def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
     assert "from step_00000000" in log
     assert_refresher_threads(log, 1)
 
+    # a refresher said to run elsewhere that never publishes: a clear error, no endless wait
     with pytest.raises(AssertionError, match="no mined negatives within 2 s"):
-        finetune(tmp_path / "alone", *common, "--negatives.mine_first_timeout_s", "2")
+        finetune(tmp_path / "alone", *common, "--negatives.mine_first_timeout_s", "2",
+                 "--refresher", "external")  # fmt: skip

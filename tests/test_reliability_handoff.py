@@ -157,7 +157,9 @@ def test_waiting_for_mined_negatives_reports_a_bad_pointer_once(tmp_path):
     reports: list[str] = []
     with pytest.raises(TimeoutError, match="CURRENT"):
         wait_for_mined(root, 0, None, 1.5, tmp_path / "refresh.log", reports.append)
-    assert len(reports) == 1 and "CURRENT" in reports[0]
+    problems = [r for r in reports if "CURRENT" in r]
+    assert len(problems) == 1, reports
+    assert [r for r in reports if "waiting for negatives mined" in r], reports  # what it awaits
 
 
 # --------------------------------------------------------------------------- the refresher

@@ -1,8 +1,9 @@
 """The negatives a fine-tuning run trains on: the version to start from, the version every
 rank uses (swapped at step boundaries, all ranks or none, when the refresher has published a
 newer one, with the supply watched: a dead local refresher or stale negatives), waiting for
-the first mined version (``negatives.mine_first``), and the per-rank checkpoint state
-(``NextVersion``). Problems are reported through a ``note`` callable (the trainer's log)."""
+the first mined version (``negatives.mine_first``: said every ``wait_report_s``, ended by a
+stop signal), and the per-rank checkpoint state (``NextVersion``). Problems are reported
+through a ``note`` callable (the trainer's log)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.components import engine as eng
+from retromae_ds.components.signals import StopRequested, StopSignals
 from retromae_ds.errors import RunFailed
 
 
@@ -206,31 +210,77 @@ def wait_for_mined(
     timeout_s: float,
     log: Path,
     report: Callable[[str], None] = print,
+    *,
+    stop: StopSignals | None = None,
+    report_every_s: float = 60.0,
+    checkpoint: Path | None = None,
+    dist: Any = None,
+    poll_s: float = 1.0,
 ) -> int:
-    """Every rank polls the shared negatives folder until a version newer than ``after`` is
-    published; fails if the local refresher exits first or nothing comes within the timeout.
-    An unreadable pointer counts as nothing yet (reported once per distinct problem)."""
-    deadline = time.monotonic() + timeout_s
+    """The first version newer than ``after`` published in ``root`` (``negatives.mine_first``),
+    waited for by every rank: rank 0 reads the pointer, and at each poll all ranks agree in one
+    all-reduce on what it found, on a stop signal any rank received, on the local
+    ``refresher`` having exited and on the timeout. Rank 0 says what it waits for at once and
+    every ``report_every_s`` through ``report``. A stop signal (``stop``) ends the wait with
+    ``StopRequested(0)``: the step-0 ``checkpoint`` is complete, so the run exits as a stopped
+    run does (85) and resumes from it; a local refresher that exits first is ``RunFailed``,
+    nothing within ``timeout_s`` a ``TimeoutError``. An unreadable pointer counts as nothing
+    yet (reported once per distinct problem)."""
+    rank = 0 if dist is None else dist.rank
+    start = time.monotonic()
+    next_report = start
     problem = None
+    who = (
+        "a refresher running elsewhere (--refresher external)"
+        if refresher is None
+        else f"the local refresher (pid {refresher.pid}, log {log})"
+    )
     while True:
-        try:
-            pointer = handoff.read_pointer(root)
-        except handoff.HandoffError as exc:
-            pointer = None
-            if str(exc) != problem:
-                problem = str(exc)
-                report(f"finetune: waiting for mined negatives: {exc}")
-        if pointer is not None and pointer["version"] > after:
-            return eng.broadcast_object(pointer["version"])
-        if refresher is not None and refresher.poll() is not None:
+        found, died, late = -1, False, False
+        if rank == 0:
+            try:
+                pointer = handoff.read_pointer(root)
+            except handoff.HandoffError as exc:
+                pointer = None
+                if str(exc) != problem:
+                    problem = str(exc)
+                    report(f"finetune: waiting for mined negatives: {exc}")
+            if pointer is not None and pointer["version"] > after:
+                found = int(pointer["version"])
+            died = refresher is not None and refresher.poll() is not None
+            late = time.monotonic() - start > timeout_s
+        stopping = stop is not None and stop.received is not None
+        flags = eng.all_reduce_max(torch.tensor([int(stopping), found, int(died), int(late)]))
+        stopping, found, died, late = (int(v) for v in flags.tolist())
+        if stopping:
+            if rank == 0:
+                what = stop.received if stop and stop.received else "a stop signal on a rank"
+                report(
+                    f"finetune: {what} during the wait for the first mined negatives: stopped; "
+                    f"the checkpoint {checkpoint} is complete: resume with --resume auto"
+                )
+            raise StopRequested(0)
+        if found >= 0:
+            return found
+        if died:
             raise RunFailed(
-                f"the local refresher exited ({refresher.returncode}) before mining the first "
-                f"negatives; see {log}"
+                f"the local refresher exited ({refresher.returncode if refresher else '?'}) "
+                f"before mining the first negatives; see {log}"
             )
-        if time.monotonic() > deadline:
+        if late:
             raise TimeoutError(
                 f"{root}: no mined negatives within {timeout_s:.0f} s of the step-0 checkpoint "
                 "(negatives.mine_first needs a running refresher)"
                 + (f"; last problem: {problem}" if problem else "")
             )
-        time.sleep(1.0)
+        now = time.monotonic()
+        if rank == 0 and now >= next_report:
+            report(
+                f"finetune: waiting for negatives mined from the step-0 checkpoint"
+                f"{f' {checkpoint}' if checkpoint else ''}: a version newer than v{after} in "
+                f"{root}, published by {who}; {now - start:.0f} s so far, failing after "
+                f"{timeout_s:.0f} s (negatives.mine_first_timeout_s); a stop signal ends the "
+                "wait, the step-0 checkpoint kept"
+            )
+            next_report = now + report_every_s
+        time.sleep(poll_s)

@@ -131,18 +131,26 @@ class HFEncoder:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, *, device: str | torch.device | None = "auto", **kwargs
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device | None = "auto",
+        resolved: bool = False,
+        **kwargs,
     ) -> HFEncoder:
         """Load a local model folder, a checkpoint's or a run's encoder
         (``checkpoint.resolve_encoder``; never downloads); kwargs as for the constructor.
-        A folder without a usable tokenizer is a ``ValueError`` (``load_tokenizer_checked``).
-        A DupMAE pooling loads the masked-LM model (a folder without an MLM head is a
-        ``ValueError``) with the folder's own ``bow_topk`` unless one is given."""
+        ``resolved``: ``model_dir`` is a Hugging Face folder the caller resolved and checked
+        (``eval.towers``), loaded as it is. A folder without a usable tokenizer is a
+        ``ValueError`` (``load_tokenizer_checked``). A DupMAE pooling loads the masked-LM
+        model (a folder without an MLM head is a ``ValueError``) with the folder's own
+        ``bow_topk`` unless one is given."""
         from transformers import AutoModel
 
         from retromae_ds.components.checkpoint import resolve_encoder
 
-        model_dir = resolve_encoder(model_dir)  # a checkpoint's encoder checked against its record
+        if not resolved:  # a checkpoint's encoder checked against its record
+            model_dir = resolve_encoder(model_dir)
         tokenizer = load_tokenizer_checked(model_dir)
         if kwargs.get("pooling") in sbert.HEAD_POOLINGS:
             kwargs.setdefault("bow_topk", sbert.read_spec(model_dir).bow_topk)

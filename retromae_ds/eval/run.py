@@ -8,7 +8,19 @@ timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same s
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
     retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean|dupmae|dupmae_bow] [--normalize]
-                     [--rerank [--rerank-negatives N | --candidates FILE]]
+                     [--rerank [--rerank-negatives N | --candidates FILE]] [--no-ignore-identical-ids]
+
+A model with separate towers (a fine-tuning run with ``--model.shared false``, one of its
+checkpoints, or its export) encodes the queries with its query tower and the passages with its
+passage tower (``retromae_ds.eval.towers``). ``--model RUN`` reads the run's newest checkpoint
+and, if the live run prunes it while it is being read, its newest again. ``--out`` is never
+written inside the model's or the BEIR folder, nor over a file that is not an earlier result
+(``retromae_ds.eval.result_file``).
+
+BEIR drops a retrieved document whose id equals its query's (``ignore_identical_ids``, on by
+default as in BEIR: ArguAna and Quora hold their queries in the corpus); whenever that drops
+anything, or a judged relevant pair has one id (a pair that can then never count), one line
+says how many, and the result records the setting and the counts.
 
 ``--rerank`` also ranks each query's candidate list with the same embeddings and reports MAP
 and MRR@10 (C-MTEB's reranking measures; ``retromae_ds.eval.rerank``).
@@ -27,7 +39,6 @@ import numpy as np
 import torch
 
 from retromae_ds import sbert
-from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.config import flag
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
@@ -38,6 +49,8 @@ from retromae_ds.eval.rerank import (
     evaluate_rerank,
     load_candidates,
 )
+from retromae_ds.eval.result_file import check_out
+from retromae_ds.eval.towers import Towers, load_newest
 from retromae_ds.fsutil import atomic_write_json
 from retromae_ds.search.arrays import Backend, Metric
 from retromae_ds.search.exact import ExactIndex
@@ -63,20 +76,53 @@ def retrieve(
     for datasets such as ArguAna and Quora where a query is also in the corpus); one extra
     document is retrieved so that k remain.
     """
+    return retrieve_counting(
+        query_emb_QD,
+        corpus_emb_ND,
+        query_ids,
+        corpus_ids,
+        k,
+        metric=metric,
+        backend=backend,
+        ignore_identical_ids=ignore_identical_ids,
+    )[0]
+
+
+def retrieve_counting(
+    query_emb_QD: np.ndarray,
+    corpus_emb_ND: np.ndarray,
+    query_ids: Sequence[str],
+    corpus_ids: Sequence[str],
+    k: int,
+    *,
+    metric: Metric = "ip",
+    backend: Backend = "auto",
+    ignore_identical_ids: bool = True,
+) -> tuple[Run, int]:
+    """``retrieve``, and how many retrieved documents ``ignore_identical_ids`` dropped."""
     if len(query_ids) != len(query_emb_QD) or len(corpus_ids) != len(corpus_emb_ND):
         raise ValueError("ids and embeddings differ in length")
     index = ExactIndex.build(corpus_emb_ND, metric=metric, backend=backend)
     scores_QK, ids_QK = index.search(query_emb_QD, k + 1 if ignore_identical_ids else k)
     run: dict[str, dict[str, float]] = {}
+    dropped = 0
     for qid, scores, rows in zip(query_ids, scores_QK.tolist(), ids_QK.tolist(), strict=True):
         docs = {}
         for score, row in zip(scores, rows, strict=True):
             if row < 0 or len(docs) == k:
                 break
-            if not (ignore_identical_ids and corpus_ids[row] == qid):
+            if ignore_identical_ids and corpus_ids[row] == qid:
+                dropped += 1
+            else:
                 docs[corpus_ids[row]] = score
         run[qid] = docs
-    return run
+    return run, dropped
+
+
+def identical_judged(data: BeirData) -> int:
+    """Judged relevant (query, document) pairs whose two ids are equal: with
+    ``ignore_identical_ids`` such a document is never retrieved, so it counts as a miss."""
+    return sum(1 for qid, docs in data.qrels.items() if docs.get(qid, 0) > 0)
 
 
 def evaluate_embeddings(
@@ -112,6 +158,35 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_towers(
+    towers: Towers,
+    pooling: str,
+    normalize: bool | None,
+    max_length: int | None,
+    *,
+    queries: bool = True,
+    **kwargs: Any,
+) -> tuple[HFEncoder, HFEncoder | None, sbert.EmbeddingSpec]:
+    """(passage encoder, query encoder of separate towers or None, the embedding settings):
+    ``pooling`` / ``normalize`` / ``max_length`` over the passage tower's own
+    (``sbert.resolve``; a length of neither: ``DEFAULT_MAX_LENGTH``), the same for both
+    towers; ``queries=False`` leaves the query tower unloaded. ``kwargs``: ``HFEncoder``'s
+    (batch size, device, ...)."""
+    spec = sbert.resolve(towers.passage, pooling, normalize)
+    settings = {
+        "pooling": spec.pooling,
+        "normalize": spec.normalize,
+        "max_length": max_length or spec.max_length or DEFAULT_MAX_LENGTH,
+        **kwargs,
+    }
+    # resolved and checked against their checkpoint's record once, by ``resolve_towers``
+    passage = HFEncoder.from_dir(towers.passage, resolved=True, **settings)
+    query = None
+    if queries and towers.query is not None:
+        query = HFEncoder.from_dir(towers.query, resolved=True, **settings)
+    return passage, query, spec
+
+
 def evaluate_beir(
     encoder: str | Path | Encoder,
     beir_dir: str | Path | BeirData,
@@ -140,7 +215,9 @@ def evaluate_beir(
     Args:
         encoder: a Hugging Face model folder, a checkpoint or a run folder (its newest
             checkpoint that verifies against its record; ``encoder_dir`` in the result names
-            the folder used) (loaded with ``pooling``, ``normalize``,
+            the folder used, ``query_encoder_dir`` the query tower of a model with separate
+            towers, which encodes the queries: ``retromae_ds.eval.towers``) (loaded with
+            ``pooling``, ``normalize``,
             ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``;
             ``auto`` / None: the folder's own pooling, normalisation and length, read by
             ``retromae_ds.sbert``, else CLS, raw, 512), or any ``list[str] -> [N, D]``
@@ -148,7 +225,11 @@ def evaluate_beir(
             queries unless ``query_encoder`` is given for the queries.
         beir_dir: a BEIR dataset folder, or a ``BeirData`` already loaded (with its split).
         measures: metric names ``name@k``; the search depth is the largest k.
-        out_json: write the result there as JSON (atomically).
+        ignore_identical_ids: drop a retrieved document whose id is its query's (BEIR's
+            default); what it drops is said in one line and counted in ``identical_ids``.
+        out_json: write the result there as JSON (atomically); never inside the model's or
+            the BEIR folder, nor over a file that is not an earlier result (``ValueError``,
+            before anything is encoded).
         rerank: also rerank each query's candidates (its positives and ``rerank_negatives``
             BM25 negatives, or the lists of the JSONL file ``candidates``): ``"rerank"`` key.
         verbose: print the summary table.
@@ -157,10 +238,17 @@ def evaluate_beir(
     corpus; judged documents missing from the corpus are counted, with a warning on stderr.
 
     Returns:
-        ``{"dataset", "split", "model", "encoder_dir", "num_corpus", "num_queries", "num_queries_skipped",
-        "qrels_docs_missing", "metrics": {measure: mean}, "per_query": {qid: {measure: value}},
-        "settings", "seconds"}``.
+        ``{"dataset", "split", "model", "encoder_dir", "query_encoder_dir", "num_corpus",
+        "num_queries", "num_queries_skipped", "qrels_docs_missing", "identical_ids":
+        {"dropped", "judged_relevant"}, "metrics": {measure: mean},
+        "per_query": {qid: {measure: value}}, "settings", "seconds"}``.
     """
+    if out_json is not None:
+        check_out(
+            out_json,
+            model=encoder if isinstance(encoder, (str, Path)) else None,
+            beir=None if isinstance(beir_dir, BeirData) else beir_dir,
+        )
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
@@ -173,24 +261,25 @@ def evaluate_beir(
             file=sys.stderr,
             flush=True,
         )
-    requested_length, encoder_dir = max_length, None
+    requested_length, towers = max_length, None
     if isinstance(encoder, (str, Path)):
         model_name = str(encoder)
-        # resolved (and checked against its checkpoint's record) once, then passed on
-        encoder_dir = resolve_encoder(encoder)
-        spec = sbert.resolve(encoder_dir, pooling, normalize)
-        pooling, normalize = spec.pooling, spec.normalize
-        max_length = max_length or spec.max_length or DEFAULT_MAX_LENGTH
-        encoder = HFEncoder.from_dir(
-            encoder_dir,
-            pooling=pooling,
-            normalize=normalize,
-            max_length=max_length,
-            batch_size=batch_size,
-            device=device,
-            amp_dtype=amp_dtype,
-            progress=progress,
+        towers, (encoder, query_tower, spec) = load_newest(
+            encoder,
+            lambda found: load_towers(
+                found,
+                pooling,
+                normalize,
+                max_length,
+                queries=query_encoder is None,
+                batch_size=batch_size,
+                device=device,
+                amp_dtype=amp_dtype,
+                progress=progress,
+            ),
         )
+        query_encoder = query_encoder or query_tower
+        pooling, normalize = spec.pooling, spec.normalize
     else:
         model_name = getattr(encoder, "__name__", type(encoder).__name__)
     if isinstance(encoder, HFEncoder):  # the length it really uses, said when capped
@@ -215,16 +304,28 @@ def evaluate_beir(
         )
 
     t = time.perf_counter()
-    mean, per_query = evaluate_embeddings(
-        data,
+    run, dropped = retrieve_counting(
         query_emb,
         corpus_emb,
-        measures,
+        data.query_ids,
+        data.corpus_ids,
+        max_cutoff(measures),
         metric=metric,
         backend=backend,
         ignore_identical_ids=ignore_identical_ids,
     )
+    mean, per_query = evaluate_run(data.qrels, run, measures)
     seconds["search_and_metrics"] = time.perf_counter() - t
+    judged_identical = identical_judged(data)
+    if ignore_identical_ids and (dropped or judged_identical):
+        print(
+            f"eval: ignore_identical_ids (BEIR's default): dropped {dropped} retrieved "
+            f"document(s) whose id is their query's; {judged_identical} judged relevant "
+            "(query, document) pair(s) share one id and count as misses; "
+            "--no-ignore-identical-ids keeps them",
+            file=sys.stderr,
+            flush=True,
+        )
     reranked = None
     if rerank or candidates is not None:
         t = time.perf_counter()
@@ -246,11 +347,13 @@ def evaluate_beir(
         "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
         "split": split,
         "model": model_name,
-        "encoder_dir": None if encoder_dir is None else str(encoder_dir),
+        "encoder_dir": None if towers is None else str(towers.passage),
+        "query_encoder_dir": None if towers is None or towers.query is None else str(towers.query),
         "num_corpus": len(data.corpus_ids),
         "num_queries": len(per_query),
         "num_queries_skipped": len(data.qrels) - len(per_query),
         "qrels_docs_missing": len(missing_docs),
+        "identical_ids": {"dropped": dropped, "judged_relevant": judged_identical},
         "metrics": mean,
         "settings": {
             "pooling": pooling,
@@ -313,6 +416,9 @@ class EvalConfig:
     """BM25 negatives per candidate list."""
     candidates: str | None = None
     """JSONL candidate lists (query_id, negative[, positive]) instead of BM25's."""
+    ignore_identical_ids: bool = True
+    """Drop a retrieved document whose id is its query's, as BEIR does (ArguAna and Quora hold
+    their queries in the corpus); what it drops is said in one line and recorded."""
 
 
 def eval_command(cfg: EvalConfig) -> int:
@@ -331,5 +437,6 @@ def eval_command(cfg: EvalConfig) -> int:
         rerank=cfg.rerank,
         rerank_negatives=cfg.rerank_negatives,
         candidates=cfg.candidates,
+        ignore_identical_ids=cfg.ignore_identical_ids,
     )
     return 0

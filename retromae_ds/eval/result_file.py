@@ -1,0 +1,75 @@
+"""Where ``eval --out`` may write its result: never among its own inputs.
+
+``check_out(out, model=..., beir=...)`` refuses (a ``ValueError`` naming the path and why,
+before anything is encoded) an output inside the folder ``--model`` names, or inside the
+checkpoint and the run that folder belongs to (a checkpoint's ``encoder/`` named directly
+protects its checkpoint and run too), or inside the BEIR folder; a folder; and an existing
+file that is not an earlier result of ``eval`` (a JSON object with its keys). Writing over an
+earlier result is the ordinary rerun. The write itself is atomic
+(``fsutil.atomic_write_json``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from retromae_ds.components.checkpoint import is_checkpoint
+from retromae_ds.components.layout import RunLayout
+
+RESULT_KEYS = ("dataset", "split", "metrics", "settings")
+"""Keys every result of ``evaluate_beir`` holds: a file with them is an earlier result."""
+
+
+def _protected(model: Path) -> list[Path]:
+    """The folder ``model`` names and, when it lies inside a checkpoint, that checkpoint and
+    its run (resolved)."""
+    real = model.resolve()
+    folders = [real]
+    for parent in real.parents:
+        if is_checkpoint(parent):
+            folders.append(parent)
+            if parent.parent.name == RunLayout(".").checkpoints.name:
+                folders.append(parent.parent.parent)
+            break
+    return folders
+
+
+def earlier_result(path: Path) -> str | None:
+    """None when ``path`` holds an earlier eval result, else why it does not."""
+    try:
+        with open(path, "rb") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as exc:
+        return f"not readable as JSON: {type(exc).__name__}"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    missing = [key for key in RESULT_KEYS if key not in record]
+    return f"no {', '.join(missing)}" if missing else None
+
+
+def check_out(out: str | Path, *, model: str | Path | None, beir: str | Path | None) -> None:
+    """Raise ``ValueError`` unless ``eval`` may write its result to ``out`` (module doc)."""
+    out = Path(out)
+    real = out.resolve()
+    inputs = []
+    if model is not None:
+        inputs += [(folder, "model folder", model) for folder in _protected(Path(model))]
+    if beir is not None:
+        inputs.append((Path(beir).resolve(), "BEIR folder", beir))
+    for folder, what, named in inputs:
+        if real == folder or real.is_relative_to(folder):
+            part = "" if folder == Path(named).resolve() else f" (its run or checkpoint {folder})"
+            raise ValueError(
+                f"--out {out}: inside the {what} {named}{part}; eval never writes among its "
+                "inputs: choose a path outside it"
+            )
+    if real.is_dir():
+        raise ValueError(f"--out {out}: a folder; --out names the result file to write")
+    if real.exists():
+        why = earlier_result(real)
+        if why is not None:
+            raise ValueError(
+                f"--out {out}: exists and is not an earlier eval result ({why}); refusing to "
+                "replace it: remove it or choose another path"
+            )
