@@ -40,7 +40,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
         "--objectives",
         nargs="+",
         default=["none", "mlm", "retromae"],
-        help="none (the MLM base itself) and the continuations: mlm, retromae, seed, "
+        help="none (the MLM base itself) and the continuations: mlm, retromae, dupmae, seed, "
         "seed_strong (default: none mlm retromae)",
     )
     p.add_argument(

@@ -3,10 +3,12 @@ orderings, a PNG plot, and ``study.md`` / ``study_results.json`` in the study fo
 
 Pure bookkeeping on result rows (``{"task", "start", "objective", "seed", "stage",
 "pooling", "metrics"}``, as ``retromae_recipes.study.Study.run`` returns them; a row without
-``pooling`` is CLS) and on the pre-training summaries (losses, tokens seen, the zero-shot
-curve logged during pre-training); nothing here trains or imports torch. It also names the
+``pooling`` is CLS; a fine-tuned row also names the ``finetune_pooling`` it was trained
+with) and on the pre-training summaries (losses, tokens seen, the zero-shot curve logged
+during pre-training); nothing here trains or imports torch. It also names the
 rows' vocabulary (objectives, stages, measures) in report order. The lexical reference is a
-row of start ``lexical``, objective ``bm25``.
+row of start ``lexical``, objective ``bm25``. A study with DupMAE cells gets a section of its
+own (``retromae_recipes.report_dupmae``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,16 @@ from typing import Any
 from retromae_ds.fsutil import atomic_write_text
 from retromae_recipes.common import pyplot, save_figure
 
-ARMS = ("none", "mlm", "retromae", "seed", "seed_strong")
+ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "seed_strong")
 """A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
-``seed_strong`` (SEED-Encoder with a strong decoder); the pre-training objectives proper are
+``dupmae`` (RetroMAE v2, docs/dupmae.md) and ``seed_strong`` (SEED-Encoder with a strong
+decoder); the pre-training objectives proper are
 ``retromae_ds.modeling.objectives.OBJECTIVES``."""
+HEAD_POOLINGS = ("dupmae_bow", "dupmae")
+"""DupMAE's poolings (``retromae_ds.sbert.HEAD_POOLINGS``, in report order): the ordinary
+tokens' top-k vector through the MLM head, and [CLS] concatenated with it."""
+POOLING_ORDER = ("cls", "mean", *HEAD_POOLINGS)
+"""Poolings in report order."""
 STAGES = ("zero_shot", "bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 RERANK_MEASURES = ("rerank_map", "rerank_mrr@10")
@@ -49,7 +57,8 @@ CLAIMS = (
 """The orderings the verdicts test."""
 
 
-def _key(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
+def row_key(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """(task, start, objective, stage, pooling): what ``aggregate`` groups seeds by."""
     return (
         r.get("task", "scifact"),
         r["start"],
@@ -63,7 +72,7 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """mean ± std (sample std over seeds) per (task, start, objective, stage, pooling)."""
     groups: dict[tuple[str, str, str, str, str], list[dict]] = {}
     for r in rows:
-        groups.setdefault(_key(r), []).append(r)
+        groups.setdefault(row_key(r), []).append(r)
     out = []
     for (task, start, objective, stage, pooling), rs in groups.items():
         agg = {
@@ -84,9 +93,11 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _sorted(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def report_order(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Aggregated rows in table order: task, BM25 first, start, stage, pooling, objective."""
     order = {o: i for i, o in enumerate(("bm25", *ARMS))}
     stage_order = {s: i for i, s in enumerate(STAGES)}
+    pooling_order = {p: i for i, p in enumerate(POOLING_ORDER)}
     tasks = list(dict.fromkeys(a["task"] for a in agg))
     return sorted(
         agg,
@@ -95,7 +106,7 @@ def _sorted(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
             a["start"] != "lexical",  # the BM25 reference first
             a["start"],
             stage_order[a["stage"]],
-            a["pooling"] != "cls",
+            pooling_order.get(a["pooling"], len(pooling_order)),
             a["pooling"],
             order[a["objective"]],
         ),
@@ -116,7 +127,7 @@ def table(agg: list[dict[str, Any]]) -> str:
         + " |",
         "|---|---|---|---|---|---|" + "---|" * len(measures),
     ]
-    for a in _sorted(agg):
+    for a in report_order(agg):
         if a["start"] == "lexical":
             cells = " | ".join(f"{a[m]:.4f}" if m in a else "—" for m in measures)
             lines.append(f"| {a['task']} | — | BM25 | — | — | — | {cells} |")
@@ -131,14 +142,18 @@ def table(agg: list[dict[str, Any]]) -> str:
 
 def pretrain_table(summaries: list[dict[str, Any]]) -> str:
     """Per (start, objective), means over seeds: steps, tokens seen, loss and decoder loss
-    (first → last logged row), the last MLM and decoder accuracy, seconds."""
+    (first → last logged row), the last MLM and decoder accuracy, seconds; where a run logged
+    DupMAE's bag-of-words loss, that loss (first → last) and its last recall too."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for s in summaries:
         groups.setdefault((s["start"], s["objective"]), []).append(s)
+    bow = any("bow_loss" in s["last"] for s in summaries)
     lines = [
         "| start | objective | seeds | steps | tokens seen | loss first → last "
-        "| decoder loss first → last | MLM acc. last | decoder acc. last | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| decoder loss first → last | MLM acc. last | decoder acc. last "
+        + ("| BoW loss first → last | BoW recall last " if bow else "")
+        + "| seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if bow else ""),
     ]
 
     def mean(ss: list[dict], row: str, key: str) -> float | None:
@@ -148,51 +163,70 @@ def pretrain_table(summaries: list[dict[str, Any]]) -> str:
     def fmt(x: float | None, spec: str = ".2f") -> str:
         return "—" if x is None else format(x, spec)
 
+    def first_last(ss: list[dict], key: str) -> str:
+        last = mean(ss, "last", key)
+        return "—" if last is None else f"{fmt(mean(ss, 'first', key))} → {fmt(last)}"
+
     for (start, objective), ss in groups.items():
         tokens = statistics.fmean(s.get("tokens_seen", 0) for s in ss)
-        dec = (mean(ss, "first", "decoder_loss"), mean(ss, "last", "decoder_loss"))
-        decoder = f"{fmt(dec[0])} → {fmt(dec[1])}" if dec[1] is not None else "—"
+        bow_cells = (
+            f"| {first_last(ss, 'bow_loss')} | {fmt(mean(ss, 'last', 'bow_recall'), '.3f')} "
+            if bow
+            else ""
+        )
         lines.append(
             f"| {start} | {objective} | {len(ss)} | {ss[0]['steps']} | {tokens / 1e6:.2f}M "
-            f"| {fmt(mean(ss, 'first', 'loss'))} → {fmt(mean(ss, 'last', 'loss'))} | {decoder} "
+            f"| {fmt(mean(ss, 'first', 'loss'))} → {fmt(mean(ss, 'last', 'loss'))} "
+            f"| {first_last(ss, 'decoder_loss')} "
             f"| {fmt(mean(ss, 'last', 'mlm_accuracy'), '.3f')} "
-            f"| {fmt(mean(ss, 'last', 'decoder_accuracy'), '.3f')} "
+            f"| {fmt(mean(ss, 'last', 'decoder_accuracy'), '.3f')} {bow_cells}"
             f"| {statistics.fmean(s['seconds'] for s in ss):.0f} |"
         )
     return "\n".join(lines)
 
 
 def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
-    """Grouped bars of CLS nDCG@10 (± std) per stage and objective, one panel per task ×
-    start; BM25 as a dotted line."""
+    """Grouped bars of CLS nDCG@10 (± std) per stage and objective, DupMAE's own poolings as
+    bars of their own, one panel per task × start; BM25 as a dotted line."""
     plt = pyplot()
     if plt is None:
         return None
-    dense = [a for a in agg if a["start"] != "lexical" and a["pooling"] == "cls"]
-    panels = list(dict.fromkeys((a["task"], a["start"]) for a in _sorted(dense)))
+    dense = [
+        a
+        for a in agg
+        if a["start"] != "lexical"
+        and (
+            a["pooling"] == "cls" or (a["objective"] == "dupmae" and a["pooling"] in HEAD_POOLINGS)
+        )
+    ]
+    panels = list(dict.fromkeys((a["task"], a["start"]) for a in report_order(dense)))
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (task, start) in zip(axes[0], panels, strict=True):
         mine = [a for a in dense if a["task"] == task and a["start"] == start]
         stages = [s for s in STAGES if any(a["stage"] == s for a in mine)]
-        objectives = [o for o in ARMS if any(a["objective"] == o for a in mine)]
-        width = 0.8 / max(1, len(objectives))
-        for k, obj in enumerate(objectives):
+        present = {(a["objective"], a["pooling"]) for a in mine}
+        series = [(o, "cls") for o in ARMS] + [("dupmae", p) for p in HEAD_POOLINGS]
+        series = [s for s in series if s in present]
+        width = 0.8 / max(1, len(series))
+        by_key = {(a["stage"], a["objective"], a["pooling"]): a for a in mine}
+        for k, (obj, pooling) in enumerate(series):
             xs, ys, es = [], [], []
             for i, stage in enumerate(stages):
-                a = next((a for a in mine if a["stage"] == stage and a["objective"] == obj), None)
+                a = by_key.get((stage, obj, pooling))
                 if a:
                     xs.append(i + k * width)
                     ys.append(a["ndcg@10"])
                     es.append(a["ndcg@10_std"])
-            ax.bar(xs, ys, width, yerr=es, label=obj, capsize=3)
+            label = obj if pooling == "cls" else f"{obj} [{pooling}]"
+            ax.bar(xs, ys, width, yerr=es, label=label, capsize=3)
         bm25 = next((a for a in agg if a["task"] == task and a["start"] == "lexical"), None)
         if bm25:
             ax.axhline(bm25["ndcg@10"], color="black", linestyle=":", label="BM25")
-        ax.set_xticks([i + width * (len(objectives) - 1) / 2 for i in range(len(stages))])
+        ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(stages))])
         ax.set_xticklabels(stages)
-        ax.set_title(f"{task}, start: {start} (CLS)")
+        ax.set_title(f"{task}, start: {start} (CLS; DupMAE's poolings in brackets)")
         ax.set_ylabel("nDCG@10 (mean ± std over seeds)")
         ax.legend(fontsize=8)
     return save_figure(plt, fig, path)
@@ -240,28 +274,49 @@ def _log_curves(pretraining: list[dict[str, Any]], start: str, metric: str):
 
 def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     """Top row: zero-shot nDCG@10 against tokens seen during pre-training, one line per
-    objective (mean ± std band over seeds), one panel per start × pooling, the MLM base's own
-    curve first. Bottom row: the decoder loss and accuracy (and MLM accuracy) of the same
-    runs against the tokens each stage saw."""
+    objective (mean ± std band over seeds; one colour per objective throughout), one panel
+    per start × pooling, the MLM base's own curve first; a panel of DupMAE's poolings holds
+    the DupMAE runs' line and, dashed, the other objectives' CLS curves to read it against.
+    Bottom row: the decoder loss and accuracy (and MLM accuracy; DupMAE's bag-of-words loss
+    where logged) of the same runs against the tokens each stage saw."""
     data = curves(pretraining)
     if not data:
         return None
     plt = pyplot()
     if plt is None:
         return None
-    panels = sorted({(st, k) for st, _, k in data if k.endswith("/ndcg@10")})
-    cols = max(len(panels), 3)
+    order = {p: i for i, p in enumerate(POOLING_ORDER)}
+
+    def pooling_of(key: str) -> int:  # eval/TASK/POOLING/MEASURE
+        return order.get(key.split("/")[-2], len(order))
+
+    panels = sorted(
+        {(st, k) for st, _, k in data if k.endswith("/ndcg@10")},
+        key=lambda p: (p[0], pooling_of(p[1]), p[1]),
+    )
+    metrics = ["decoder_loss", "decoder_accuracy", "mlm_accuracy"]
+    if any("bow_loss" in row for s in pretraining for row in s.get("log") or []):
+        metrics.append("bow_loss")  # DupMAE's bag-of-words task
+    cols = max(len(panels), len(metrics))
     fig, axes = plt.subplots(2, cols, figsize=(5.5 * cols, 8), squeeze=False)
+    colour = {o: f"C{i}" for i, o in enumerate(("base", *ARMS))}
     for col, (start, key) in enumerate(panels):
         ax = axes[0][col]
+        task, pooling = key.split("/")[1:3]
         for objective in ("base", *ARMS):
             c = data.get((start, objective, key))
             if not c:
                 continue
             lo = [m - d for m, d in zip(c["mean"], c["std"], strict=True)]
             hi = [m + d for m, d in zip(c["mean"], c["std"], strict=True)]
-            ax.plot(c["tokens"], c["mean"], marker=".", label=f"{objective} ({c['seeds']} seeds)")
-            ax.fill_between(c["tokens"], lo, hi, alpha=0.2)
+            label = f"{objective} ({c['seeds']} seeds)"
+            ax.plot(c["tokens"], c["mean"], marker=".", label=label, color=colour[objective])
+            ax.fill_between(c["tokens"], lo, hi, alpha=0.2, color=colour[objective])
+        for objective in ("mlm", "retromae") if pooling in HEAD_POOLINGS else ():
+            c = data.get((start, objective, f"eval/{task}/cls/ndcg@10"))
+            if c:
+                ax.plot(c["tokens"], c["mean"], linestyle="--", color=colour[objective],
+                        label=f"{objective} [cls]")  # fmt: skip
         ax.set_title(f"start {start}: {key.removeprefix('eval/')}")
         ax.set_xlabel("tokens seen (the base's, then the continuation's)")
         ax.set_ylabel("zero-shot nDCG@10 (sample of the tuning split)")
@@ -269,16 +324,14 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     for ax in axes[0][len(panels) :]:
         ax.axis("off")
     start = panels[0][0]
-    for ax, metric in zip(
-        axes[1], ("decoder_loss", "decoder_accuracy", "mlm_accuracy"), strict=False
-    ):
+    for ax, metric in zip(axes[1], metrics, strict=False):
         for objective, tokens, ys in _log_curves(pretraining, start, metric):
-            ax.plot(tokens, ys, label=objective)
+            ax.plot(tokens, ys, label=objective, color=colour[objective])
         ax.set_title(f"start {start}: {metric.replace('_', ' ')} (mean over seeds)")
         ax.set_xlabel("tokens seen in this stage")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    for ax in axes[1][3:]:
+    for ax in axes[1][len(metrics) :]:
         ax.axis("off")
     return save_figure(plt, fig, path)
 
@@ -308,7 +361,7 @@ def compare(a: dict[str, Any], b: dict[str, Any], m: str = "ndcg@10") -> str:
 def verdicts(agg: list[dict[str, Any]]) -> list[str]:
     """Plain statements of where the result agrees with the papers' orderings (``CLAIMS``),
     using a difference larger than the two standard errors combined as 'clearly'."""
-    by_key = {_key(a): a for a in agg}
+    by_key = {row_key(a): a for a in agg}
 
     def ratio(a, b, m: str) -> str:
         floor = FLOOR.get(m, 0.0)
@@ -319,7 +372,7 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
         return f" ({a[m] / b[m]:.1f}×)"
 
     out = []
-    dense = [a for a in _sorted(agg) if a["start"] != "lexical"]
+    dense = [a for a in report_order(agg) if a["start"] != "lexical"]
     for task, start, pooling in dict.fromkeys((a["task"], a["start"], a["pooling"]) for a in dense):
         where = f"{task}, {start}" + ("" if pooling == "cls" else f", {pooling} pooling")
         for stage in STAGES:
@@ -369,6 +422,10 @@ def report(
             "",
         ]
     text += [*notes, "", "## Against the papers' claims", "", *[f"- {v}" for v in verdicts(agg)]]
+    from retromae_recipes import report_dupmae  # it imports this module's pieces
+
+    dupmae = report_dupmae.section(agg)
+    text += ["", *dupmae] if dupmae else []
     if pretraining:
         text += ["", "## Pre-training", "", pretrain_table(pretraining)]
     if png:

