@@ -332,3 +332,33 @@ def test_identical_ids_are_a_flag_said_with_their_count_and_recorded(tiny, tmp_p
     (data / "qrels" / "test.tsv").write_text("q0\td0\t1\nq1\td1\t1\n")
     assert main([*args]) == 0
     assert "identical" not in capsys.readouterr().err
+
+
+# --- item 13: a damaged weights file, an all-zero qrels file -----------------------------------
+
+
+def test_a_truncated_safetensors_file_is_one_line_naming_it(tiny, beir, tmp_path, capsys):
+    model = Path(shutil.copytree(tiny, tmp_path / "model"))
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code = main(["eval", "--model", str(model), "--beir", str(beir), *EVAL])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(error_lines(err)) == 1 and str(weights) in err and "truncated" in err, err
+
+
+def test_qrels_judging_nothing_relevant_are_warned_about(tiny, beir, tmp_path, capsys):
+    data = Path(shutil.copytree(beir, tmp_path / "beir"))
+    qrels = data / "qrels" / "test.tsv"
+    lines = qrels.read_text().splitlines()
+    zeroed = [lines[0]] + ["\t".join(line.split("\t")[:2] + ["0"]) for line in lines[1:]]
+    qrels.write_text("\n".join(zeroed) + "\n")
+    code = main(["eval", "--model", str(tiny), "--beir", str(data), *EVAL])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if "no judgement above 0" in line]
+    assert len(warned) == 1 and str(qrels) in warned[0], err
+    # a qrels file with one relevant judgement says nothing
+    qrels.write_text("\n".join(lines) + "\n")
+    main(["eval", "--model", str(tiny), "--beir", str(data), *EVAL])
+    assert "no judgement above 0" not in capsys.readouterr().err

@@ -17,6 +17,7 @@ returns the judged documents absent from the corpus, which BEIR would silently s
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,14 @@ def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
         if not qid or not doc_id:
             raise ValueError(f"{path}:{lineno}: empty query or corpus id")
         qrels.setdefault(qid, {})[doc_id] = level
+    if qrels and not any(level > 0 for docs in qrels.values() for level in docs.values()):
+        # every metric would be 0 whatever the model: say so instead of a table of zeros
+        print(
+            f"warning: {path}: no judgement above 0 in {sum(map(len, qrels.values()))} lines: "
+            "nothing counts as relevant, every metric is 0 whatever the model",
+            file=sys.stderr,
+            flush=True,
+        )
     return qrels
 
 

@@ -21,6 +21,7 @@ def load_pretrained(
     pooling never use) are named in one line on stderr instead of transformers' table.
     A model on ``sdpa`` attention is switched to its broadcast padding mask
     (``modeling.long_attention``: same outputs, no L×L mask)."""
+    check_weight_files(folder)
     with quiet_transformers():
         model, info = auto_class.from_pretrained(
             str(folder), local_files_only=True, output_loading_info=True, **kwargs
@@ -37,6 +38,24 @@ def load_pretrained(
     return model
 
 
+def check_weight_files(folder: str | Path) -> None:
+    """Every ``*.safetensors`` file of ``folder`` has a whole header whose tensors the file
+    covers (safetensors checks that on opening, reading the header only): a truncated or
+    damaged weights file is a ``ValueError`` naming it, not a traceback from deep inside
+    transformers."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({e}); truncated or damaged: "
+                "copy or export the model again"
+            ) from e
+
+
 HEAD_PREFIXES = ("cls.", "lm_head.")
 """Weight names of the MLM heads of the BERT (``cls``) and RoBERTa / XLM-R (``lm_head``) models."""
 
@@ -47,6 +66,7 @@ def load_with_head(folder: str | Path) -> Any:
     is a ``ValueError`` saying where one is found, never a head newly initialised."""
     from transformers import AutoModelForMaskedLM
 
+    check_weight_files(folder)
     with quiet_transformers():
         model, info = AutoModelForMaskedLM.from_pretrained(
             str(folder), local_files_only=True, output_loading_info=True
