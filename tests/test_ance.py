@@ -507,7 +507,9 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir, seed=3)
     fake_checkpoint(one, 4, encoder)
     shutil.copytree(one, two)
-    strategy = ("--mining.strategy", "top", "--max_versions", "1", "--max_score_ratio", "0.97")
+    # shards of 16 passages: both ranks encode several (the corpus has 75 passages)
+    strategy = ("--mining.strategy", "top", "--max_versions", "1", "--max_score_ratio", "0.97",
+                "--shard_rows", "16")  # fmt: skip
     single = subprocess.run(
         _refresh_cmd(one, *strategy), env=ENV, capture_output=True, text=True, timeout=180
     )
@@ -519,6 +521,12 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     a, b = load_current(one / "negatives"), load_current(two / "negatives")
     assert (a.version, b.version, b.step) == (1, 1, 4)
     assert (a.manifest["ranks"], b.manifest["ranks"]) == (1, 2)
+    # the ranks split the shards, each encoding its own (none twice, none left out)
+    shards = -(-ts.num_passages // 16)
+    assert b.manifest["embedding_shards"] == a.manifest["embedding_shards"] == {
+        "shards": shards, "shard_rows": 16, "dtype": "float32",
+        "encoded": shards, "cached": 0, "resumed": 0, "redone": 0,
+    }  # fmt: skip
     # the positives' scores come from both ranks' parts: the filter drops the same candidates
     fa, fb = a.manifest["false_negative_filter"], b.manifest["false_negative_filter"]
     assert fa["dropped"] > 0 and abs(fa["dropped"] - fb["dropped"]) <= 0.05 * fa["dropped"] + 1

@@ -243,6 +243,7 @@ RESUMABLE_BEFORE = (
     "negatives.mine_first_timeout_s", "negatives.stale_after", "negatives.on_stale",
     "refresh.parent_pid", "eval",
     "negatives.wait_report_s",  # issue 46: how often the wait for mined negatives reports
+    "refresh.threads",  # issue 46: the refresher's CPU threads, not what the steps compute
 )  # fmt: skip
 """The list the shared training loop held before each field declared it (issue 29), and the
 fields added since that a resumed run may change."""

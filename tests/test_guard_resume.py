@@ -259,11 +259,6 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, shards):
     assert json.loads((run / "config.json").read_text())["max_steps"] == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs `threads: int = resumable(0)` in retromae_ds/ance/refresh_config.py "
-    "(RefreshConfig.threads), a file outside this change",
-)
 def test_refresh_threads_may_change_on_resume(tmp_path):
     """Item 14: the refresher's CPU threads change how fast it mines, not what the resumed
     steps compute; a resume with another ``refresh.threads`` is allowed."""

@@ -8,8 +8,12 @@ An entry is keyed by the sha256 of everything that decides what the embeddings a
 file of the encoder folder (weights, config, pooling modules), the data fingerprint (the
 shards' sha256), the slice of rows encoded, pooling, normalisation, autocast dtype and device
 type. What only changes rounding (threads, batch size) is not in the key. Entries are written
-whole (temp + rename) and checked on read (shape, dtype, finite); a bad entry is reported and
-recomputed, never used. Nothing is evicted: the folder can be deleted at any time.
+whole (temp + rename) with the sha256 of their bytes (hashed as they are written) in the
+entry's record, and checked on read: the checksum first (one flipped bit in a vector is a
+different file), then shape, dtype and finiteness. An entry that fails any check, or has no
+checksum on record (written before entries had one), is a miss: one line says so, the rows
+are encoded again and the entry rewritten; its bytes are never searched. Nothing is evicted:
+the folder can be deleted at any time.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds.fsutil import atomic_save_npy, atomic_write_text, sha256_file
+from retromae_ds.fsutil import atomic_save_npy_hashed, atomic_write_text, sha256_file
 
 
 def folder_digest(folder: Path) -> str:
@@ -36,9 +40,14 @@ def rows_digest(rows: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(rows, dtype=np.int64).tobytes()).hexdigest()
 
 
+RECORD_FORMAT = 2
+"""Entries' records (``<key>.json``) carry ``sha256`` since format 2."""
+
+
 class EmbeddingCache:
-    """``root/<key>.npy`` (float32 ``[rows, D]``) with ``root/<key>.json`` (what the key
-    covers, for people). ``root`` empty: every lookup misses and nothing is stored."""
+    """``root/<key>.npy`` (``[rows, D]``, float32 or float16) with ``root/<key>.json``, its
+    record: ``sha256`` and ``bytes`` of the array file, and ``covers``, what the key covers
+    (for people). ``root`` empty: every lookup misses and nothing is stored."""
 
     def __init__(self, root: str | Path | None) -> None:
         self.root = Path(root) if root else None
@@ -51,24 +60,28 @@ class EmbeddingCache:
     def key(parts: dict[str, Any]) -> str:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
-    def load(self, key: str, shape: tuple[int, int]) -> np.ndarray | None:
+    def load(self, key: str, shape: tuple[int, int], dtype: str = "float32") -> np.ndarray | None:
+        """The entry ``key`` when it passes every check, else None (a miss: absent, or bad
+        and reported in one line)."""
         if self.root is None:
             return None
         path = self.root / f"{key}.npy"
         if not path.is_file():
             return None
-        try:
-            array = np.load(path, allow_pickle=False)
-            problem = None
-            if array.shape != shape or array.dtype != np.float32:
-                problem = f"holds {array.dtype} {array.shape}, expected float32 {shape}"
-            elif not np.isfinite(array).all():
-                problem = "holds non-finite values"
-        except (OSError, ValueError) as exc:
-            problem = f"unreadable ({exc})"
+        problem = _checksum_problem(path)
+        if problem is None:
+            try:
+                array = np.load(path, allow_pickle=False)
+                if array.shape != shape or array.dtype != np.dtype(dtype):
+                    problem = f"holds {array.dtype} {array.shape}, expected {dtype} {shape}"
+                elif not np.isfinite(array).all():
+                    problem = "holds non-finite values"
+            except (OSError, ValueError) as exc:
+                problem = f"is unreadable ({exc})"
         if problem:
             print(
-                f"refresh: embedding cache entry {path} {problem}; recomputing it",
+                f"refresh: embedding cache entry {path} {problem}; recomputing it (a miss: "
+                "its rows are encoded again, never searched from it)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -80,6 +93,27 @@ class EmbeddingCache:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f"{key}.npy"
-        # two runs writing the same key write the same bytes
-        atomic_save_npy(path, np.asarray(array, dtype=np.float32))
-        atomic_write_text(path.with_suffix(".json"), json.dumps(parts, indent=2, sort_keys=True))
+        # two runs writing one key write the same embeddings (up to rounding: a reader that
+        # meets one's bytes with the other's record counts a miss, never a wrong hit)
+        digest, size = atomic_save_npy_hashed(path, array)
+        record = {"format": RECORD_FORMAT, "sha256": digest, "bytes": size, "covers": parts}
+        atomic_write_text(path.with_suffix(".json"), json.dumps(record, indent=2, sort_keys=True))
+
+
+def _checksum_problem(path: Path) -> str | None:
+    """None when ``path`` hashes to the sha256 its record (``.json`` beside it) holds."""
+    try:
+        record = json.loads(path.with_suffix(".json").read_text())
+        recorded = record["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "has no checksum on record (written before entries had one, or torn)"
+    try:
+        found = sha256_file(path)
+    except OSError as exc:
+        return f"is unreadable ({exc})"
+    if found != recorded:
+        return (
+            f"fails its checksum (sha256 {found[:12]}… read, {str(recorded)[:12]}… stored): "
+            "its bytes changed since they were written"
+        )
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from retromae_ds.ance.embed_shards import DTYPES
 from retromae_ds.ance.mining import STRATEGIES
 from retromae_ds.config import resumable
 from retromae_ds.search.kinds import check_index_setting
@@ -89,6 +90,14 @@ class RefreshConfig:
     list or PQ code, at most all); fewer than 39 per list or code is an error."""
     batch_size: int = 128
     """Texts per forward pass."""
+    shard_rows: int = 65536
+    """Passages per embedding shard (``retromae_ds.ance.embed_shards``): each shard is encoded
+    and written whole (temp + rename, with a manifest and its sha256), the refresher's ranks
+    split the shards, a killed refresher keeps the shards it finished, and encoding holds one
+    shard in memory at a time (65,536 × 768 float32: 192 MiB)."""
+    embedding_dtype: str = "float32"
+    """How embedding shards are stored: ``float32``, or ``float16`` (half the disk, searched
+    as float32; on 20,000 MiniLM vectors recall@200 0.9999 against float32, docs/ance.md)."""
     device: str = resumable("auto")
     """auto (CUDA when available), cpu, cuda:1, ..."""
     bf16: bool = True
@@ -96,7 +105,7 @@ class RefreshConfig:
     bf16_cpu: bool = False
     """Also encode under bf16 autocast on CPU (≈ 2× faster where the CPU has AVX512-BF16 or
     AMX; slower where it has neither)."""
-    threads: int = 0
+    threads: int = resumable(0)
     """Torch CPU threads of each refresher rank while the trainer trains (0: torch's default,
     one per core). A CPU refresher beside a CPU trainer on the same cores: 1, so the two do
     not oversubscribe them (benchmarks/bench_ance.py). A step-0 checkpoint (``mine_first``:
@@ -136,6 +145,12 @@ class RefreshConfig:
             raise ValueError(f"refresh.parent_pid must be >= 0, got {self.parent_pid}")
         if self.threads < 0:
             raise ValueError(f"refresh.threads must be >= 0, got {self.threads}")
+        if self.shard_rows < 1:
+            raise ValueError(f"refresh.shard_rows must be >= 1, got {self.shard_rows}")
+        if self.embedding_dtype not in DTYPES:
+            raise ValueError(
+                f"refresh.embedding_dtype must be one of {DTYPES}, not {self.embedding_dtype!r}"
+            )
 
 
 def mining_settings(cfg: MiningConfig) -> dict[str, Any]:

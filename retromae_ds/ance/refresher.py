@@ -6,18 +6,21 @@ trainer's ``--refresher local`` subprocess) that loops:
 
 1. wait for a *complete* trainer checkpoint newer than the one behind the current negatives;
 2. load its encoder(s) (``checkpoint/encoder``, ``query_encoder`` when not shared);
-3. encode the passages in batches, each rank its own contiguous part, written to
-   ``negatives/.work/v{N}/passages_rank{r}.npy`` (temp + rename; a restarted refresher reuses
-   complete parts of the same checkpoint); the queries likewise, split over the ranks.
-   With ``cache_dir`` the embeddings are looked up first by content (``embed_cache``: the
-   encoder's files, the data, the rows, pooling, precision), so runs from the same init
-   encode its step-0 checkpoint once between them;
-4. each rank searches all queries in its own part (``retromae_ds.search``: the index
-   ``index`` names, exact by default below 200,000 passages a rank, through faiss on GPUs when
-   usable, or exact torch matmul + top-k with ``search_backend torch``) into
-   ``topk_rank{r}.npz``, so no rank ever holds the whole corpus embedding matrix; rank 0 merges the ranks' top-K lists (``merge_topk``,
-   ``[Q, K]`` each) into ``ranking.npz`` (a refresher restarted after that point mines from it
-   without encoding again);
+3. encode the passages in shards of ``shard_rows`` (``embed_shards``:
+   ``negatives/.work/v{N}/passages/shard_{s}.npy`` + manifest with the encoder's and the
+   corpus's identity and the bytes' sha256; temp + rename), each rank a contiguous run of
+   shards, one shard in memory at a time; a restarted refresher keeps the complete shards of
+   the same encoder and corpus, whatever its number of ranks. The queries likewise, split
+   over the ranks. With ``cache_dir`` the embeddings are looked up first by content
+   (``embed_cache``: the encoder's files, the data, the rows, pooling, precision; entries
+   checksummed), so runs from the same init encode its step-0 checkpoint once between them;
+4. each rank verifies its shards' checksums (a shard that fails is encoded again, never
+   searched) and searches all queries in them (``retromae_ds.search``: the index ``index``
+   names, exact by default below 200,000 passages a rank, shard by shard through faiss on
+   GPUs when usable, or exact torch matmul + top-k with ``search_backend torch``) into
+   ``topk_rank{r}.npz``, so no rank ever holds the whole corpus embedding matrix; rank 0
+   merges the ranks' top-K lists (``merge_topk``, ``[Q, K]`` each) into ``ranking.npz`` (a
+   refresher restarted after that point mines from it without encoding again);
 5. hands the ranking to ``publish.mine_and_publish``, the path BM25's first version takes too:
    the false-negative filter, every positive removed, n negatives sampled per query
    (``mining.mine``, seed ``seed + N``) and ``negatives/v{N}.arrow`` + manifest + the
@@ -38,7 +41,7 @@ naming its holder; a second one fails at start naming it). A data folder (``data
 default the one the trainer named in ``refresh_config.json``) whose fingerprint differs from
 the one the run's negatives were mined for is refused at start. A write that fails (a full
 disk under ``negatives/``) stops the refresher with one line naming the file and the space
-left (exit 1) instead of re-encoding forever; the hidden ``.work`` parts already complete are
+left (exit 1) instead of re-encoding forever; the hidden ``.work`` shards already complete are
 reused by the next refresher once there is space. A checkpoint that cannot be read (pruned by
 the trainer meanwhile) is skipped once, not retried.
 """
@@ -57,12 +60,13 @@ from typing import Any
 
 import torch
 
-from retromae_ds import holder_lock
+from retromae_ds import faults, holder_lock
 from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
+from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.publish import Ranking, mine_and_publish
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.ance.stages import (
+    MAX_ENCODE_ROUNDS,
     RANKING,
     Group,
     Job,
@@ -72,6 +76,7 @@ from retromae_ds.ance.stages import (
     pick_device,
     read_json,
     search_stage,
+    verify_stage,
 )
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import RunLayout
@@ -178,14 +183,17 @@ def refresh_once(
     root = layout.negatives
     step = ckpt.read_marker(checkpoint)["step"]
     meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
-    work = open_work(root, version, meta, group)
-    job = Job(cfg, ts, checkpoint, version, step, group, work)
+    job = Job(cfg, ts, checkpoint, version, step, group, root / ".work" / f"v{version}")
+    work = open_work(root, version, meta, group, job.shards())
     ranked = group.broadcast((work / RANKING).is_file() if group.rank == 0 else None)
+    shard_report: list[dict[str, Any]] = []
     if not ranked:
-        passages, queries, lo = encode_stage(job)
-        search_stage(job, passages, queries, lo)
-        del passages, queries
+        _encode_verified(job)
+        shard_report = group.gather(
+            {"counts": job.shard_counts(), "cache": list(job.shard_cache.values())}
+        )
         group.barrier()
+        faults.crash("crash_in_refresh_at", "merge")
     manifest = None
     if group.rank == 0:
         if ranked:
@@ -194,6 +202,10 @@ def refresh_once(
             print(f"refresh: v{version}: ranking found in {work}", file=sys.stderr, flush=True)
         else:
             ranking = merge_stage(job)
+            job.cached["passages"] = embed_shards.stats_line(
+                [answer for rank in shard_report for answer in rank["cache"]] or ["none"]
+            )
+        faults.crash("crash_in_refresh_at", "publish")
         if "encode_passages_s" in job.timings:
             job.timings["passages_per_s"] = ts.num_passages / max(
                 job.timings["encode_passages_s"], 1e-9
@@ -216,6 +228,7 @@ def refresh_once(
                 "search_backend": cfg.search_backend,
                 # what rank 0's index resolved to (factory string, nprobe, ef_search, ...)
                 "index_resolved": read_json(job.part("index", 0).with_suffix(".json")),
+                "embedding_shards": _shard_summary(cfg, job, shard_report),
             },
             timings=job.timings,
         )
@@ -229,6 +242,40 @@ def refresh_once(
         )
     group.barrier()
     return manifest
+
+
+def _encode_verified(job: Job) -> None:
+    """Encode, verify, search (every rank): a shard that fails its checksum when the search
+    stage opens it is deleted and the stages run again, which encode only what is missing;
+    shards that keep failing (a disk that does not keep what is written) stop the refresh."""
+    for _ in range(MAX_ENCODE_ROUNDS):
+        queries, shards = encode_stage(job)
+        bad = verify_stage(job, shards)
+        if not any(job.group.gather(bool(bad))):
+            search_stage(job, queries, shards)
+            return
+        del queries
+    folder = job.work / embed_shards.PASSAGES
+    raise handoff.NegativesWriteError(
+        f"{folder}: embedding shards failed their checksums {MAX_ENCODE_ROUNDS} times in a row "
+        "right after being written: the disk does not keep what is written there"
+    )
+
+
+def _shard_summary(
+    cfg: RefreshConfig, job: Job, report: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The manifest's ``embedding_shards``: the layout and how every rank's shards came to
+    be (None for a version mined from a ranking left by an earlier refresher)."""
+    if not report:
+        return None
+    totals = {name: sum(rank["counts"][name] for rank in report) for name in report[0]["counts"]}
+    return {
+        "shards": len(job.shards()),
+        "shard_rows": cfg.shard_rows,
+        "dtype": cfg.embedding_dtype,
+        **totals,
+    }
 
 
 def _record(layout: RunLayout, manifest: dict[str, Any], filtered: dict[str, Any] | None) -> None:

@@ -1,13 +1,18 @@
 """The refresher's stages, each leaving its output in ``negatives/.work/v{N}`` before the next
 starts (``retromae_ds.ance.refresher`` runs them for every new checkpoint):
 
-1. ``encode_stage``: every rank encodes its contiguous part of the passages
-   (``passages_rank{r}.npy``, reused when a killed refresher left it complete) and of the
-   queries (``queries_rank{r}.npy``), or loads them from the embedding cache;
-2. ``search_stage``: every rank searches all queries in its own part with the index
-   ``refresh.index`` names (``retromae_ds.search``; what it resolved to in
-   ``index_rank{r}.json``) into ``topk_rank{r}.npz``, so no rank ever holds the whole corpus
-   embedding matrix;
+1. ``encode_stage``: the passages in shards of ``refresh.shard_rows``
+   (``passages/shard_{s}.npy`` + its manifest, ``embed_shards``), each rank a contiguous run
+   of them, one shard in memory at a time; a shard a killed refresher left complete for the
+   same encoder and corpus is kept, any other is encoded again. Shards come from the
+   embedding cache when it holds them. The queries: each rank its contiguous part
+   (``queries_rank{r}.npy``);
+2. ``search_stage``: every rank verifies its shards' checksums (a shard that fails is deleted
+   and the stages run again, so it is never searched), then searches all queries in them
+   with the index ``refresh.index`` names (``retromae_ds.search``; what it resolved to in
+   ``index_rank{r}.json``): exact search shard by shard, memory-mapped, merging the top-K
+   (``search_blocks``); an approximate index trained on a sample gathered from the shards and
+   filled shard by shard. The rank's top-K goes to ``topk_rank{r}.npz``;
 3. ``merge_stage``: rank 0 merges the ranks' top-K lists into ``ranking.npz`` (``RANKING``),
    which ``publish.mine_and_publish`` turns into a version.
 
@@ -32,8 +37,9 @@ from tqdm.auto import tqdm
 
 from retromae_ds import faults, sbert
 from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
+from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
+from retromae_ds.ance.embed_shards import PASSAGES, Shard, ShardRows
 from retromae_ds.ance.mining import positive_scores
 from retromae_ds.ance.model import load_body
 from retromae_ds.ance.publish import Ranking
@@ -117,6 +123,14 @@ class Group:
 
         return obj if self.world == 1 else eng.broadcast_object(obj)
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (every rank must call it)."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
@@ -176,6 +190,12 @@ def index_choice(cfg: RefreshConfig, n: int, dim: int) -> IndexChoice:
     )
 
 
+QUERY_BATCH = 4096
+"""Queries searched (and their top-K merged) at a time."""
+MAX_ENCODE_ROUNDS = 3
+"""Encode → verify rounds before shards that keep failing their checksums stop the refresh."""
+
+
 @dataclass
 class Job:
     """One version being mined: what every stage reads, and where it leaves its files
@@ -190,21 +210,53 @@ class Job:
     work: Path
     timings: dict[str, float] = field(default_factory=dict)
     cached: dict[str, str] = field(default_factory=dict)
+    shard_source: dict[int, str] = field(default_factory=dict)
+    """This rank's passage shards by index: ``encoded``, ``cached`` (from the embedding
+    cache) or ``resumed`` (left complete by a killed refresher), as first made in this
+    refresh (a later round keeps what an earlier one wrote)."""
+    shard_cache: dict[int, str] = field(default_factory=dict)
+    """The embedding cache's answer per shard: resumed, hit, miss, off or not stored."""
+    redone: int = 0
+    """Shards of this rank encoded again: another identity, or a failed checksum."""
+
+    def shard_counts(self) -> dict[str, int]:
+        counts = {"encoded": 0, "cached": 0, "resumed": 0}
+        for source in self.shard_source.values():
+            counts[source] += 1
+        return {**counts, "redone": self.redone}
 
     def part(self, name: str, rank: int | None = None) -> Path:
         return self.work / f"{name}_rank{self.group.rank if rank is None else rank:05d}"
 
+    def shards(self) -> list[Shard]:
+        """Every passage shard of this version (``refresh.shard_rows`` each)."""
+        return embed_shards.layout(self.work / PASSAGES, self.ts.num_passages, self.cfg.shard_rows)
 
-def open_work(root: Path, version: int, meta: dict[str, Any], group: Group) -> Path:
+    def my_shards(self) -> list[Shard]:
+        """This rank's contiguous run of shards (the first ranks get the longer runs, so
+        rank 0, whose index record the manifest quotes, has one whenever there is one)."""
+        shards, world, rank = self.shards(), self.group.world, self.group.rank
+        return shards[-(-len(shards) * rank // world) : -(-len(shards) * (rank + 1) // world)]
+
+
+def open_work(
+    root: Path, version: int, meta: dict[str, Any], group: Group, shards: list[Shard]
+) -> Path:
     """``root/.work/v{version}``, kept when it holds parts of the same checkpoint and ranks
-    (``meta.json``), otherwise started over; every other version's work folder removed."""
+    (``meta.json``), otherwise started over except for its embedding shards, whose manifests
+    say for themselves what they hold (``embed_shards``; ``shards``: this version's layout,
+    files of other shards and temporaries are removed); every other version's work folder
+    removed."""
     work = root / ".work" / f"v{version}"
     if group.rank == 0:
         if (work / "meta.json").is_file() and read_json(work / "meta.json") != meta:
-            shutil.rmtree(work)  # parts of another checkpoint (or unknown ones): start over
+            for path in work.iterdir():  # parts of another checkpoint (or unknown ones)
+                if path.name != PASSAGES:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
         for other in (root / ".work").glob("v*") if (root / ".work").is_dir() else []:
             if other != work:
                 shutil.rmtree(other, ignore_errors=True)
+        embed_shards.clean(work / PASSAGES, shards)
         with writing(work / "meta.json", "the refresher's work folder"):
             work.mkdir(parents=True, exist_ok=True)
             atomic_write_text(work / "meta.json", json.dumps(meta))
@@ -212,11 +264,11 @@ def open_work(root: Path, version: int, meta: dict[str, Any], group: Group) -> P
     return work
 
 
-def encode_stage(job: Job) -> tuple[np.ndarray, np.ndarray, int]:
-    """Every rank: its contiguous part of the passages (``passages_rank{r}.npy``, reused when
-    a killed refresher left it complete) and of the queries (``queries_rank{r}.npy``), from
-    the embedding cache when it holds them; returns (its passages, all queries, the index of
-    its first passage)."""
+def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
+    """Every rank: its contiguous run of passage shards (``embed_shards``), each encoded and
+    written whole with one shard in memory at a time (kept when a killed refresher left it
+    complete for this encoder and corpus; from the embedding cache when it holds it), and
+    its part of the queries (``queries_rank{r}.npy``); returns (all queries, its shards)."""
     cfg, ts, group, timings = job.cfg, job.ts, job.group, job.timings
     t0 = time.perf_counter()
     device = pick_device(cfg, group.local_rank)
@@ -235,131 +287,207 @@ def encode_stage(job: Job) -> tuple[np.ndarray, np.ndarray, int]:
         amp_dtype=amp,
         progress=cfg.progress,
     )
+    shards = job.my_shards()
     if group.rank == 0:
         print(
             f"refresh: v{job.version} from {job.checkpoint.name} (step {job.step}): encoding "
-            f"{ts.num_passages} passages on {group.world} rank(s)",
+            f"{ts.num_passages} passages ({len(job.shards())} shard(s) of up to "
+            f"{cfg.shard_rows}, {cfg.embedding_dtype}) on {group.world} rank(s)",
             file=sys.stderr,
             flush=True,
         )
-
-    lo, hi = split(ts.num_passages, group.world, group.rank)
     qlo, qhi = split(ts.num_queries, group.world, group.rank)
-    index_choice(cfg, hi - lo, passage_model.config.hidden_size)  # bad settings: before encoding
+    dim = passage_model.config.hidden_size
+    if shards:  # bad settings: before encoding
+        index_choice(cfg, sum(shard.rows for shard in shards), dim)
+    t0 = time.perf_counter()
+    passage_digest = folder_digest(encoder_dir)
+    identity = {
+        "encoder": passage_digest,
+        "corpus": embed_shards.corpus_digest(ts.fingerprint()),
+        "pooling": spec.pooling,
+        "normalize": spec.normalize,
+        "autocast": str(amp),
+        "device": device.type,
+        "dtype": cfg.embedding_dtype,
+    }
+    timings["encoder_digest_s"] = time.perf_counter() - t0
     cache = EmbeddingCache(cfg.cache_dir)
-    keys: dict[str, dict[str, Any]] = {}
-    if cache.enabled:
-        t0 = time.perf_counter()
-        base = {
-            "data": ts.fingerprint(),
-            "pooling": spec.pooling,
-            "normalize": spec.normalize,
-            "autocast": str(amp),
-            "device": device.type,
-        }
-        passage_digest = folder_digest(encoder_dir)
-        keys["passages"] = {
-            **base,
-            "encoder": passage_digest,
-            "rows": rows_digest(ts.passage_rows[lo:hi]),
-        }
-        keys["queries"] = {
-            **base,
-            "encoder": folder_digest(query_dir) if query_dir.is_dir() else passage_digest,
-            "rows": rows_digest(ts.query_rows[qlo:qhi]),
-        }
-        timings["cache_key_s"] = time.perf_counter() - t0
+    base = {
+        "data": ts.fingerprint(),
+        "pooling": spec.pooling,
+        "normalize": spec.normalize,
+        "autocast": str(amp),
+        "device": device.type,
+    }
 
-    def encode(what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray) -> np.ndarray:
-        """``rows`` encoded, or loaded from the embedding cache (and stored there on a miss)."""
-        key = cache.key({"texts": what, **keys[what]}) if cache.enabled else ""
-        found = cache.load(key, (len(rows), model.config.hidden_size)) if key else None
-        job.cached[what] = "off" if not key else "miss" if found is None else "hit"
+    def encode(
+        what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray, key: dict[str, Any]
+    ) -> tuple[np.ndarray, str]:
+        """(``rows`` encoded or loaded from the embedding cache, the cache's answer), stored
+        in the cache on a miss; the array in the dtype ``key`` names (float32 by default)."""
+        dtype = key.get("dtype", "float32")
+        digest = cache.key(key) if cache.enabled else ""
+        found = cache.load(digest, (len(rows), model.config.hidden_size), dtype) if digest else None
         if found is not None:
-            return found
+            return found, "hit"
         out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)
-        if key:
-            try:
-                cache.save(key, out, {"texts": what, **keys[what]})
-            except OSError as exc:  # the cache only saves time: say so and go on without it
-                job.cached[what] = "not stored"
-                print(
-                    f"refresh: embedding cache {cfg.cache_dir}: not stored "
-                    f"({handoff.write_error(Path(cfg.cache_dir), exc, 'embeddings')})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return out
+        out = out.astype(dtype, copy=False)
+        if not digest:
+            return out, "off"
+        try:
+            cache.save(digest, out, key)
+        except OSError as exc:  # the cache only saves time: say so and go on without it
+            print(
+                f"refresh: embedding cache {cfg.cache_dir}: not stored "
+                f"({handoff.write_error(Path(cfg.cache_dir), exc, 'embeddings')})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return out, "not stored"
+        return out, "miss"
 
     t0 = time.perf_counter()
-    part_file = job.part("passages").with_suffix(".npy")
-    if part_file.is_file():  # left complete by a refresher killed later in this version
-        passages = np.load(part_file)
-        job.cached["passages"] = "resumed"
-    else:
-        passages = encode("passages", passage_model, ts.corpus, ts.passage_rows[lo:hi])
-        save_part(part_file, passages, "passage embeddings")
+    for shard in shards:
+        problem = embed_shards.why_not_reusable(shard, identity, dim)
+        if problem is None:  # complete: left by a refresher killed later in this version
+            job.shard_source.setdefault(shard.index, "resumed")
+            job.shard_cache.setdefault(shard.index, "resumed")
+            continue
+        if problem:
+            print(
+                f"refresh: {shard.npy}: {problem}; encoding it again", file=sys.stderr, flush=True
+            )
+            job.redone += 1
+        rows = ts.passage_rows[shard.lo : shard.hi]
+        key = {"texts": "passages", **base, "encoder": passage_digest, "rows": rows_digest(rows)}
+        # the token shards mapped for this embedding shard alone: their pages leave the
+        # resident set with it, so what encoding holds does not grow with the corpus read
+        corpus = ShardDataset(ts.corpus.folder)
+        array, answer = encode(
+            "passages", passage_model, corpus, rows, {**key, "dtype": cfg.embedding_dtype}
+        )
+        del corpus
+        job.shard_source[shard.index] = "cached" if answer == "hit" else "encoded"
+        job.shard_cache[shard.index] = answer
+        with writing(shard.npy, "passage embeddings"):
+            embed_shards.write(
+                shard, array, identity, {"checkpoint": job.checkpoint.name, "step": job.step}
+            )
+        del array  # one shard in memory at a time
+    job.cached["passages"] = embed_shards.stats_line(list(job.shard_cache.values()) or ["none"])
     timings["encode_passages_s"] = time.perf_counter() - t0
+
     t0 = time.perf_counter()
-    query_part = encode("queries", query_model, ts.queries, ts.query_rows[qlo:qhi])
+    query_rows = ts.query_rows[qlo:qhi]
+    query_digest = ""
+    if cache.enabled:
+        query_digest = folder_digest(query_dir) if query_dir.is_dir() else passage_digest
+    query_key = {
+        "texts": "queries",
+        **base,
+        "encoder": query_digest,
+        "rows": rows_digest(query_rows),
+    }
+    query_part, job.cached["queries"] = encode(
+        "queries", query_model, ts.queries, query_rows, query_key
+    )
     save_part(job.part("queries").with_suffix(".npy"), query_part, "query embeddings")
     group.barrier()
     queries = np.concatenate(
         [np.load(job.part("queries", r).with_suffix(".npy")) for r in range(group.world)]
     )
     timings["encode_queries_s"] = time.perf_counter() - t0
-    return passages, queries, lo
+    return queries, shards
 
 
-def search_stage(job: Job, passages: np.ndarray, queries: np.ndarray, lo: int) -> None:
-    """Every rank: all queries against its own passages with the index ``refresh.index``
-    names (``retromae_ds.search``; an approximate one's top-K rescored exactly, so the
-    false-negative filter compares exact scores), top-K with global passage indices and the
-    scores of the positives it holds, written to ``topk_rank{r}.npz`` (what the index
-    resolved to: ``index_rank{r}.json``); no rank ever holds the whole corpus embedding
-    matrix."""
+def verify_stage(job: Job, shards: list[Shard]) -> list[Shard]:
+    """The shards of ``shards`` whose bytes fail their checksum, deleted (each said in one
+    line) so that the next encode stage writes them again; none of them is ever searched."""
+    if job.group.rank == 0:
+        print(
+            f"refresh: v{job.version}: verifying and searching {job.ts.num_passages} passages",
+            file=sys.stderr,
+            flush=True,
+        )
+    faults.pause("sleep_before_search_s")
+    t0 = time.perf_counter()
+    bad = []
+    for shard in shards:
+        problem = embed_shards.verify(shard)
+        if problem:
+            print(
+                f"refresh: {shard.npy} {problem}; encoding it again (never searched)",
+                file=sys.stderr,
+                flush=True,
+            )
+            embed_shards.remove(shard)
+            bad.append(shard)
+    job.redone += len(bad)
+    job.timings["verify_s"] = job.timings.get("verify_s", 0.0) + time.perf_counter() - t0
+    return bad
+
+
+def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
+    """Every rank: all queries against its (verified) shards with the index
+    ``refresh.index`` names: exact search shard by shard, each memory-mapped only while it is
+    searched, the top-K merged exactly (``search_blocks``); an approximate index trained on
+    a sample gathered from the shards, filled shard by shard and its top-K rescored exactly
+    (so the false-negative filter compares exact scores). Top-K with global passage indices
+    and the scores of the positives it holds go to ``topk_rank{r}.npz`` (what the index
+    resolved to: ``index_rank{r}.json``). Held at once: the queries ``[Q, D]``, the running
+    top-K ``[Q, K]``, one shard (or, approximate, the index itself)."""
     from retromae_ds.search.build import build_index
-    from retromae_ds.search.exact import rescore
+    from retromae_ds.search.exact import rescore, search_blocks
 
     cfg, timings = job.cfg, job.timings
+    faults.crash("crash_in_refresh_at", "search")
     t0 = time.perf_counter()
-    choice = index_choice(cfg, len(passages), passages.shape[1])
+    dim = queries.shape[1]
+    n = sum(shard.rows for shard in shards)
+    lo = shards[0].lo if shards else 0
+    rows = ShardRows(shards, dim)
+    choice = index_choice(cfg, n, dim) if shards else None  # a rank without shards: no index
     record = job.part("index").with_suffix(".json")
     with writing(record, "the index record"):
-        atomic_write_text(record, json.dumps(choice.record()))
-    index = build_index(
-        cfg.index,
-        dim=passages.shape[1],
-        n=len(passages),
-        backend=cfg.search_backend,
-        # the torch backend searches on the refresher's own device (its GPU for this rank)
-        device=pick_device(cfg, job.group.local_rank),
-        nprobe=cfg.nprobe,
-        ef_search=cfg.ef_search,
-        train_size=cfg.train_size,
-        seed=cfg.mining.seed,
-        prefix="refresh.",
-    )
-    index.add(passages)
-    timings["index_build_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    k = min(cfg.mining.top_k, max(1, len(passages)))
-    scores_parts, ids_parts = [], []
-    q_step = 4096
-    for s in tqdm(
-        range(0, len(queries), q_step),
-        desc=f"search r{job.group.rank}",
-        unit="batch",
-        disable=not cfg.progress,
-    ):
-        sc, ix = index.search(queries[s : s + q_step], k)
-        if not choice.exact:
-            sc, ix = rescore(queries[s : s + q_step], passages, ix)
-        scores_parts.append(sc)
-        ids_parts.append(np.where(ix >= 0, ix + lo, -1))
-    scores = np.concatenate(scores_parts) if scores_parts else np.zeros((0, k), np.float32)
-    ids = np.concatenate(ids_parts) if ids_parts else np.zeros((0, k), np.int64)
-    pos_scores = positive_scores(queries, passages, lo, job.ts.positives)
+        atomic_write_text(record, json.dumps(choice.record() if choice else None))
+    k = min(cfg.mining.top_k, max(1, n))
+    device = pick_device(cfg, job.group.local_rank)  # torch backend: this rank's device
+    bar = dict(desc=f"search r{job.group.rank}", unit="shard", disable=not cfg.progress)
+    if not shards:
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        ids = np.full((len(queries), k), -1, dtype=np.int64)
+    elif choice.exact:
+        blocks = (embed_shards.as_float32(embed_shards.open_shard(s)) for s in tqdm(shards, **bar))
+        scores, ids = search_blocks(
+            queries, blocks, k, backend=cfg.search_backend, device=device, query_batch=QUERY_BATCH
+        )
+    else:
+        index = build_index(
+            cfg.index, dim=dim, n=n, backend=cfg.search_backend, device=device, nprobe=cfg.nprobe,
+            ef_search=cfg.ef_search, train_size=cfg.train_size, seed=cfg.mining.seed,
+            prefix="refresh.",
+        )  # fmt: skip
+        count = index.training_vectors(n)
+        if count:  # the sample ApproximateIndex.train would draw from all n vectors
+            sample = np.arange(n)
+            if count < n:
+                sample = np.sort(np.random.default_rng(cfg.mining.seed).choice(n, count, False))
+            index.train(rows[sample])
+            del sample
+        for shard in tqdm(shards, **bar):
+            index.add(embed_shards.as_float32(embed_shards.open_shard(shard)))
+        timings["index_build_s"] = time.perf_counter() - t0
+        scores = np.empty((len(queries), k), dtype=np.float32)
+        ids = np.empty((len(queries), k), dtype=np.int64)
+        for s in range(0, len(queries), QUERY_BATCH):
+            batch = slice(s, s + QUERY_BATCH)
+            scores[batch], ids[batch] = rescore(
+                queries[batch], rows, index.search(queries[batch], k)[1]
+            )
+        del index
+    ids = np.where(ids >= 0, ids + lo, -1)
+    pos_scores = positive_scores(queries, rows, lo, job.ts.positives)
     topk = job.part("topk").with_suffix(".npz")
     with writing(topk, "the search results", topk.with_name(f".{topk.name}")):
         Ranking(ids=ids, scores=scores, positives=pos_scores).save(topk)

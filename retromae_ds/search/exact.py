@@ -173,27 +173,37 @@ def search_blocks(
     metric: Metric = "ip",
     backend: Backend = "auto",
     device: str | torch.device | None = None,
+    query_batch: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k over the concatenation of ``blocks``, holding one block at a time.
 
     ``blocks`` may be a generator that loads each (e.g. ``np.load(path, mmap_mode="r")``);
-    returned ids are row positions in the concatenation.
+    returned ids are row positions in the concatenation. ``query_batch`` searches and merges
+    that many queries at a time (None: all at once), which bounds the temporaries of the
+    merge to ``[query_batch, 2k]``; the running ``[Q, k]`` result is held throughout.
     """
     q = check_matrix(queries_QD, "queries")
     k = check_k(k)
-    scores = np.empty((q.shape[0], 0), dtype=np.float32)
-    ids = np.empty((q.shape[0], 0), dtype=np.int64)
+    if query_batch is not None and query_batch < 1:
+        raise ValueError(f"query_batch must be >= 1 or None, got {query_batch}")
+    scores = np.full((q.shape[0], k), -np.inf, dtype=np.float32)
+    ids = np.full((q.shape[0], k), -1, dtype=np.int64)
+    step = query_batch or max(1, q.shape[0])
     offset = 0
     for i, block in enumerate(blocks):
         block = check_matrix(block, f"block {i}", q.shape[1])
         index = ExactIndex(q.shape[1], metric=metric, backend=backend, device=device)
         index.add(block)
-        block_scores, block_ids = index.search(q, k)
-        block_ids = np.where(block_ids >= 0, block_ids + offset, -1)
-        scores, ids = merge_topk(scores, ids, block_scores, block_ids, k)
+        for start in range(0, q.shape[0], step):
+            rows = slice(start, start + step)
+            block_scores, block_ids = index.search(q[rows], k)
+            block_ids = np.where(block_ids >= 0, block_ids + offset, -1)
+            scores[rows], ids[rows] = merge_topk(
+                scores[rows], ids[rows], block_scores, block_ids, k
+            )
         offset += block.shape[0]
         del index  # frees the block's (GPU) memory before the next one is loaded
-    return pad_topk(scores, ids, k)
+    return scores, ids
 
 
 def rescore(
@@ -210,10 +220,13 @@ def rescore(
     An index that ranks by compressed codes (PQ) returns approximate scores; the refresher's
     false-negative filter compares candidates' scores with the positives' exact ones, so it
     gets these. Works in query batches, so memory stays at about 64 MiB of gathered vectors.
+    ``vectors_ND`` may also be any object whose ``[row_ids]`` gives those rows as a float32
+    ``[n, D]`` array (the refresher's memory-mapped embedding shards: ``ShardRows``).
     """
     check_metric(metric)
     queries_QD = check_matrix(queries_QD, "queries")
-    vectors_ND = check_matrix(vectors_ND, "vectors", queries_QD.shape[1])
+    if isinstance(vectors_ND, (np.ndarray, torch.Tensor)):
+        vectors_ND = check_matrix(vectors_ND, "vectors", queries_QD.shape[1])
     k = ids_QK.shape[1]
     scores = np.full(ids_QK.shape, -np.inf, dtype=np.float32)
     step = max(1, 2**26 // (4 * max(1, k * queries_QD.shape[1])))
