@@ -20,6 +20,7 @@ the reference attention path (``retromae_ds.attention.rules.two_stream_visible_d
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -239,8 +240,10 @@ class PackedLayout:
         width = min(-(-max(fill) // multiple) * multiple, capacity)
         return cls(rows, offsets, lengths, (len(fill), width))
 
+    @functools.cached_property
     def _where(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(document, position inside it, flat packed index) of every real position."""
+        """(document, position inside it, flat packed index) of every real position; computed
+        once per batch and shared by every packed tensor."""
         docs = np.repeat(np.arange(len(self.lengths)), self.lengths)
         starts = np.cumsum(self.lengths) - self.lengths
         inside = np.arange(len(docs)) - starts[docs]
@@ -249,7 +252,7 @@ class PackedLayout:
 
     def scatter(self, per_document: np.ndarray, fill: int) -> np.ndarray:
         """A B×L per-document array (each document in its own row from position 0) packed."""
-        docs, inside, flat = self._where()
+        docs, inside, flat = self._where
         out = np.full(self.shape[0] * self.shape[1], fill, dtype=per_document.dtype)
         out[flat] = per_document[docs, inside]
         return out.reshape(self.shape)
@@ -257,7 +260,7 @@ class PackedLayout:
     @property
     def doc_ids(self) -> np.ndarray:
         """R×L: each position's document (-1: padding)."""
-        docs, _, flat = self._where()
+        docs, _, flat = self._where
         out = np.full(self.shape[0] * self.shape[1], -1, dtype=np.int64)
         out[flat] = docs
         return out.reshape(self.shape)
@@ -265,7 +268,7 @@ class PackedLayout:
     @property
     def position_ids(self) -> np.ndarray:
         """R×L: each position's offset from its document's [CLS] (0: padding)."""
-        _, inside, flat = self._where()
+        _, inside, flat = self._where
         out = np.zeros(self.shape[0] * self.shape[1], dtype=np.int64)
         out[flat] = inside
         return out.reshape(self.shape)
