@@ -244,6 +244,7 @@ RESUMABLE_BEFORE = (
     "refresh.parent_pid", "eval",
     "negatives.wait_report_s",  # issue 46: how often the wait for mined negatives reports
     "refresh.threads",  # issue 46: the refresher's CPU threads, not what the steps compute
+    "refresh.wait_report_s",  # issue 46: how often a waiting refresher reports
 )  # fmt: skip
 """The list the shared training loop held before each field declared it (issue 29), and the
 fields added since that a resumed run may change."""

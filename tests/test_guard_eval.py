@@ -362,3 +362,29 @@ def test_qrels_judging_nothing_relevant_are_warned_about(tiny, beir, tmp_path, c
     qrels.write_text("\n".join(lines) + "\n")
     main(["eval", "--model", str(tiny), "--beir", str(data), *EVAL])
     assert "no judgement above 0" not in capsys.readouterr().err
+
+
+# --- item 13: a full disk under --out -----------------------------------------------------------
+
+
+def test_a_full_disk_under_eval_out_names_the_file_and_the_free_space(tiny, beir, tmp_path):
+    """``eval --out`` on a full filesystem: one line naming the result file and the free
+    space, exit 1, and an earlier result there left whole."""
+    from helpers_disk import fill, small_disk
+
+    with small_disk("4m") as disk:
+        out = disk / "results" / "eval.json"
+        args = ["eval", "--model", str(tiny), "--beir", str(beir), *EVAL, "--out", str(out)]
+        run = [sys.executable, "-m", "retromae_ds.cli", *args]
+        first = subprocess.run(run, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-3000:]
+        earlier = out.read_bytes()
+        ballast = fill(disk, leave=0)
+        full = subprocess.run(run, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert full.returncode == 1, full.stderr[-3000:]
+        assert "Traceback" not in full.stderr, full.stderr[-3000:]
+        (line,) = [x for x in error_lines(full.stderr) if x.startswith("retromae-ds eval: error:")]
+        assert str(out) in line and "no space left" in line and "free" in line, line
+        assert out.read_bytes() == earlier
+        assert not [p for p in out.parent.iterdir() if p.name != out.name]  # no temp left
+        ballast.unlink()

@@ -476,3 +476,67 @@ def test_a_full_disk_under_negatives_fails_the_refresher_clearly_and_loses_nothi
             )
             assert late.returncode == 0, late.stderr[-3000:]
         assert handoff.read_pointer(root)["version"] >= 1
+
+
+# --------------------------------------------------------------------------- issue 46, item 7
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_refresh_on_a_folder_that_is_not_a_finetuning_run_is_refused_creating_nothing(tmp_path):
+    """A typo, a file, an empty folder or a pre-training run as ``--run_dir``: one line naming
+    the folder and why, exit 2, within seconds, and nothing created (no ``negatives/``, no
+    lock, no mistyped tree)."""
+    from retromae_ds.config import to_dict
+    from retromae_ds.fsutil import atomic_write_json
+    from retromae_ds.pretrain import DataConfig, TrainConfig
+
+    pre = tmp_path / "pretrain_run"
+    (pre / "checkpoints").mkdir(parents=True)
+    atomic_write_json(
+        RunLayout(pre).config,
+        to_dict(TrainConfig(run_dir=str(pre), max_steps=10, data=DataConfig(shards=str(tmp_path)))),
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = {
+        tmp_path / "typo" / "run": "no such run folder",
+        a_file: "is a file",
+        empty: "holds no fine-tuning run",
+        pre: "a pre-training run",
+    }
+    before = _tree(tmp_path)
+    for run, why in cases.items():
+        t0 = time.monotonic()
+        done = subprocess.run(
+            _refresh_cmd(run), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2, done.stderr[-3000:]
+        line = _one_line_error(done.stderr, "retromae-ds refresh")
+        assert str(run) in line and why in line and "retromae-ds finetune" in line, line
+        assert time.monotonic() - t0 < 60
+        assert _tree(tmp_path) == before, f"{run}: created {set(_tree(tmp_path)) - set(before)}"
+
+
+@pytest.mark.slow
+def test_a_waiting_refresher_says_what_it_waits_for(tmp_path, bm25_run):
+    """On a fine-tuning run with no checkpoint yet the refresher waits, saying every
+    ``wait_report_s`` what for, and ends on SIGTERM."""
+    run = _copy(bm25_run, tmp_path)
+    proc = subprocess.Popen(
+        _refresh_cmd(run, "--wait_report_s", "1"),
+        cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(12.0)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        waits = [line for line in proc.stderr.read().splitlines() if "waiting for" in line]
+        assert len(waits) >= 2, waits
+        assert str(RunLayout(run).checkpoints) in waits[-1] and "v0" in waits[-1], waits[-1]
+    finally:
+        _kill(proc.pid)
+        proc.wait()

@@ -123,6 +123,9 @@ class RefreshConfig:
     """Stop after publishing this many versions (0: no limit)."""
     idle_timeout_s: float = resumable(0.0)
     """Stop after this long without a new checkpoint (0: wait while the trainer runs)."""
+    wait_report_s: float = resumable(60.0)
+    """While waiting (for the trainer's data, its first negatives, a newer checkpoint), say
+    what for every this many seconds."""
     keep_last: int = 0
     """Keep only the newest k versions (0: all; exact resume of an old checkpoint needs its version)."""
     progress: bool = resumable(True)
@@ -145,6 +148,8 @@ class RefreshConfig:
             raise ValueError(f"refresh.parent_pid must be >= 0, got {self.parent_pid}")
         if self.threads < 0:
             raise ValueError(f"refresh.threads must be >= 0, got {self.threads}")
+        if self.wait_report_s <= 0:
+            raise ValueError(f"refresh.wait_report_s must be > 0, got {self.wait_report_s}")
         if self.shard_rows < 1:
             raise ValueError(f"refresh.shard_rows must be >= 1, got {self.shard_rows}")
         if self.embedding_dtype not in DTYPES:

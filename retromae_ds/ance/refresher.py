@@ -36,7 +36,10 @@ finished before it started), after ``max_versions`` versions, after ``idle_timeo
 without a new checkpoint, or when the process named by ``parent_pid`` (the trainer of a local
 refresher) is gone. Timings per version go to ``RUN/refresh_metrics.jsonl`` and the manifest.
 
-Guards: one refresher per negatives folder (an ``flock`` on ``negatives/.refresher.lock``
+Guards: ``run_dir`` must be a fine-tuning run folder (``refresh_config.json`` or ``negatives/``
+in it, or the trainer's ``config.json`` with fine-tuning settings); anything else (a missing
+folder, a file, a pre-training run) is refused in one line before anything is created. While
+it waits it says what for every ``wait_report_s``. One refresher per negatives folder (an ``flock`` on ``negatives/.refresher.lock``
 naming its holder; a second one fails at start naming it). A data folder (``data_dir``; by
 default the one the trainer named in ``refresh_config.json``) whose fingerprint differs from
 the one the run's negatives were mined for is refused at start. A write that fails (a full
@@ -89,6 +92,43 @@ LOCK = ".refresher.lock"
 
 class RefresherBusy(ValueError):
     """Another live refresher holds the negatives folder."""
+
+
+def run_folder_problem(layout: RunLayout) -> str | None:
+    """Why ``layout.root`` is not a fine-tuning run folder a refresher may serve (None when it
+    is one, or one whose trainer has started: its ``config.json`` has fine-tuning settings).
+    Looks only; creates nothing."""
+    root = layout.root
+    hint = (
+        "; a refresher serves a fine-tuning run: point --run_dir at the folder "
+        "`retromae-ds finetune --run_dir` writes (start the trainer first; slurm/finetune.sh "
+        "starts its refresher once RUN/refresh_config.json exists)"
+    )
+    if not root.exists():
+        return f"{root}: no such run folder{hint}"
+    if not root.is_dir():
+        return f"{root}: is a file, not a run folder{hint}"
+    if layout.refresh_config.is_file() or layout.negatives.is_dir():
+        return None
+    if layout.config.is_file():
+        try:
+            saved = json.loads(layout.config.read_text())
+        except (OSError, ValueError) as exc:
+            return f"{layout.config}: unreadable ({exc}), so {root} is not a run it can serve"
+        if isinstance(saved, dict) and "negatives" in saved and "refresh" in saved:
+            return None  # the trainer has started; it prepares the data and negatives next
+        kind = (
+            "a pre-training run"
+            if isinstance(saved, dict)
+            and isinstance(saved.get("model"), dict)
+            and "objective" in saved["model"]
+            else "not a fine-tuning run"
+        )
+        return (
+            f"{root}: {kind} (its config.json has no fine-tuning settings, and it holds no "
+            f"refresh_config.json or negatives/){hint}"
+        )
+    return f"{root}: holds no fine-tuning run (no config.json, refresh_config.json or negatives/){hint}"
 
 
 def _take_lock(root: Path) -> tuple[int | None, str | None]:
@@ -313,6 +353,9 @@ def run_refresher(cfg: RefreshConfig) -> int:
         raise ValueError("refresh: --run_dir is required")
     group = Group(cfg.timeout_s)
     layout = RunLayout(cfg.run_dir)
+    problem = group.broadcast(run_folder_problem(layout) if group.rank == 0 else None)
+    if problem is not None:
+        raise ValueError(f"refresh: {problem}")
     with hold_negatives(layout.negatives, group):  # one refresher per negatives folder
         return _refresh_loop(cfg, group, layout)
 
@@ -327,8 +370,10 @@ def _refresh_loop(cfg: RefreshConfig, group: Group, layout: RunLayout) -> int:
     reported: set[str] = set()  # pointer problems already printed
     skipped: set[str] = set()  # checkpoints that could not be read: not retried
     parent_ppid = os.getppid()
+    started = time.monotonic()
+    next_report = started + cfg.wait_report_s  # a short wait goes without a word
     while True:
-        action: dict[str, Any] = {"do": "wait"}
+        action: dict[str, Any] = {"do": "wait", "for": "rank 0"}
         if group.rank == 0:
             action = _next_action(cfg, layout, data_dir, last_new, reported, skipped, parent_ppid)
         action = group.broadcast(action)
@@ -341,6 +386,14 @@ def _refresh_loop(cfg: RefreshConfig, group: Group, layout: RunLayout) -> int:
                 print(f"refresh: stopping ({action['why']})", file=sys.stderr, flush=True)
             return published
         if action["do"] == "wait":
+            if group.rank == 0 and time.monotonic() >= next_report:
+                waited = time.monotonic() - started
+                print(
+                    f"refresh: waiting for {action['for']} ({waited:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                next_report = time.monotonic() + cfg.wait_report_s
             time.sleep(cfg.poll_s)
             continue
         _set_threads(cfg, action["step"], all_threads)
@@ -408,9 +461,14 @@ def _next_action(
                 reported.add(str(exc))
     if not (data_dir / ance_data.READY).is_file() or (pointer is None and not unknown):
         # the trainer prepares the data and publishes the BM25 version first
-        return (
-            {"do": "stop", "why": f"the run is finished ({finished})"} if done else {"do": "wait"}
+        if done:
+            return {"do": "stop", "why": f"the run is finished ({finished})"}
+        missing = (
+            f"the trainer to prepare its data ({data_dir / ance_data.READY})"
+            if not (data_dir / ance_data.READY).is_file()
+            else f"the trainer's first negatives version ({root / handoff.POINTER})"
         )
+        return {"do": "wait", "for": missing}
     # the newest checkpoint whose encoder(s) match their record (a corrupt newer one is
     # passed over, saying so once), as every other reader of checkpoints does
     try:
@@ -452,7 +510,14 @@ def _next_action(
             "ready": True,
             "why": f"the run is finished ({finished}) and no checkpoint is newer than {current}",
         }
-    return {"do": "wait", "ready": True}
+    current = (
+        f"v{pointer['version']} (step {pointer['step']})" if pointer else "the current version"
+    )
+    return {
+        "do": "wait",
+        "ready": True,
+        "for": f"a complete checkpoint in {layout.checkpoints} newer than negatives {current}",
+    }
 
 
 def _run_main(argv: list[str] | None) -> None:

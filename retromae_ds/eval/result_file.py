@@ -5,17 +5,21 @@ before anything is encoded) an output inside the folder ``--model`` names, or in
 checkpoint and the run that folder belongs to (a checkpoint's ``encoder/`` named directly
 protects its checkpoint and run too), or inside the BEIR folder; a folder; and an existing
 file that is not an earlier result of ``eval`` (a JSON object with its keys). Writing over an
-earlier result is the ordinary rerun. The write itself is atomic
-(``fsutil.atomic_write_json``).
+earlier result is the ordinary rerun. The write itself is atomic (``write_result``: temp +
+rename, so an earlier result stays whole); a full disk is one line naming the file and the
+free space, like export's.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from retromae_ds.components.checkpoint import is_checkpoint
 from retromae_ds.components.layout import RunLayout
+from retromae_ds.errors import disk_full_error
+from retromae_ds.fsutil import atomic_write_text
 
 RESULT_KEYS = ("dataset", "split", "metrics", "settings")
 """Keys every result of ``evaluate_beir`` holds: a file with them is an earlier result."""
@@ -73,3 +77,17 @@ def check_out(out: str | Path, *, model: str | Path | None, beir: str | Path | N
                 f"--out {out}: exists and is not an earlier eval result ({why}); refusing to "
                 "replace it: remove it or choose another path"
             )
+
+
+def write_result(out: str | Path, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``out`` atomically; a full disk raises ``DiskFull`` naming ``out``,
+    the free space and the result's size (an earlier result there is left as it was)."""
+    out = Path(out)
+    text = json.dumps(result, indent=2) + "\n"
+    try:
+        atomic_write_text(out, text)
+    except OSError as exc:
+        full = disk_full_error(exc, out.parent, f"the eval result {out}", len(text.encode()))
+        if full is None:
+            raise
+        raise full from exc

@@ -49,9 +49,8 @@ from retromae_ds.eval.rerank import (
     evaluate_rerank,
     load_candidates,
 )
-from retromae_ds.eval.result_file import check_out
+from retromae_ds.eval.result_file import check_out, write_result
 from retromae_ds.eval.towers import Towers, load_newest
-from retromae_ds.fsutil import atomic_write_json
 from retromae_ds.search.arrays import Backend, Metric
 from retromae_ds.search.exact import ExactIndex
 
@@ -379,7 +378,7 @@ def evaluate_beir(
     if verbose:
         print(format_table(result))
     if out_json is not None:
-        atomic_write_json(out_json, result)
+        write_result(out_json, result)
         if verbose:
             print(f"wrote {out_json}")
     return result
