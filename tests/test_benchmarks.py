@@ -239,3 +239,10 @@ def test_bench_search_embeds_real_text_and_reruns_on_the_saved_matrix(tmp_path, 
     assert by_kind["IVF4,Flat"]["nprobe"] == 1 and by_kind["IVF4,Flat"]["factory"] == "IVF4,Flat"
     for kind in ("flat", "hnsw"):  # the same vectors and index: the same recall
         assert by_kind[kind]["recall_at_10"] == before[kind]["recall_at_10"], kind
+
+
+def test_bench_bow_eval_times_both_paths_and_finds_them_equal(tmp_path):
+    rows = _run("bench_bow_eval.py", "--texts", "4", "--length", "16", "--vocab", "300",
+                "--hidden", "16", "--rounds", "2", tmp_path=tmp_path)  # fmt: skip
+    assert rows["max_abs_diff"] < 1e-5
+    assert len(rows["times"]["dense"]) == 2 and min(rows["times"]["baseline"]) > 0

@@ -169,6 +169,55 @@ def test_chunked_max_pool_equals_the_plain_one_with_ties_and_empty_groups():
         torch.testing.assert_close(results[0][0][g], rows.max(0).values.detach())
 
 
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+@pytest.mark.parametrize("blocks", ["texts", "positions"])
+def test_bow_vectors_without_gradient_equal_the_differentiable_path(family, blocks, monkeypatch):
+    """Evaluation's masked dense maximum (no gradient wanted) gives the vectors the
+    differentiable max-pool gives, with padding, special tokens, a text with no ordinary token,
+    under bf16 autocast too, and whether a block holds several texts or part of one."""
+    from transformers import BertConfig, BertForMaskedLM, RobertaConfig, RobertaForMaskedLM
+
+    from retromae_ds.modeling import bow
+
+    torch.manual_seed(0)
+    if family == "bert":
+        model = BertForMaskedLM(
+            BertConfig(
+                vocab_size=97,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=32,
+            )
+        )
+    else:
+        model = RobertaForMaskedLM(RobertaConfig(vocab_size=97, hidden_size=16,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 intermediate_size=32))  # fmt: skip
+    model.eval()
+    # a block of 3 texts of 9 positions, or (positions) 4 positions of one text at a time
+    monkeypatch.setattr(bow, "CHUNK_ELEMENTS", 97 * (27 if blocks == "texts" else 4))
+    ids = torch.randint(5, 97, (7, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    mask[4, 2:] = 0
+    ids[4, :2] = 2  # text 4: specials only
+    ids[2, 3] = 3
+    special = torch.tensor([0, 1, 2, 3, 4])
+    hidden = torch.randn(7, 9, 16)
+    for dtype in (None, torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+            with torch.no_grad():
+                fast = bow.bow_vectors(model, hidden, ids, mask, special, topk=0)
+            slow = bow.bow_vectors(model, hidden.requires_grad_(), ids, mask, special, topk=0)
+            hidden = hidden.detach()
+        assert slow.requires_grad and not fast.requires_grad
+        torch.testing.assert_close(fast, slow.detach(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(fast[4], torch.zeros(97))
+        sparse = bow.sparsify(fast, 5)
+        assert int((sparse != 0).sum(-1).max()) == 5
+
+
 # --------------------------------------------------------------------------- end to end
 
 

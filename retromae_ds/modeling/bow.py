@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from retromae_ds.modeling.encoder import mlm_head
-from retromae_ds.modeling.vocab_loss import CHUNK_ELEMENTS, head_parts
+from retromae_ds.modeling.vocab_loss import CHUNK_ELEMENTS, HeadParts, head_parts
 
 NO_ROW = -1
 """``best`` of a (document, entry) pair whose document has no ordinary position."""
@@ -240,13 +240,57 @@ def bow_vectors(
     the ``topk`` largest entries kept. Every position goes through the head, a non-ordinary
     one into a group of its own that is dropped: no read from the device (a GPU never waits
     for a count), at the cost of the padding's share of the head's FLOPs. Differentiable
-    (fine-tuning trains through it)."""
+    (fine-tuning trains through it); where no gradient is wanted (evaluation, export, the
+    refresher) the maximum is a masked dense reduction over positions instead
+    (``_masked_max_logits``: the same values, none of the gradient's bookkeeping)."""
     B, L, H = hidden_BLH.shape
     ordinary = ordinary_positions(input_ids_BL, attention_mask_BL, special_ids.to(input_ids_BL))
+    head = mlm_head(model)
+    parts = head_parts(head)
+    if parts is not None and not _needs_grad(hidden_BLH, head):
+        return sparsify(_masked_max_logits(parts, hidden_BLH, ordinary), topk)
     rows_BL = torch.arange(B, device=hidden_BLH.device)[:, None].expand(B, L)
     group_N = torch.where(ordinary, rows_BL, B).flatten()
     pooled = pooled_vocabulary(model, hidden_BLH.reshape(B * L, H), group_N, B + 1)[:B]
     return sparsify(pooled, topk)
+
+
+def _needs_grad(hidden_BLH: torch.Tensor, head: nn.Module) -> bool:
+    """Whether autograd wants a gradient from the head's output (training, fine-tuning)."""
+    if not torch.is_grad_enabled():
+        return False
+    return hidden_BLH.requires_grad or any(p.requires_grad for p in head.parameters())
+
+
+@torch.no_grad()
+def _masked_max_logits(
+    parts: HeadParts, hidden_BLH: torch.Tensor, ordinary_BL: torch.Tensor
+) -> torch.Tensor:
+    """fp32 ``[B, V]``: per text, the entry-wise maximum of the MLM head's logits over its
+    ordinary positions (0 for a text without one), the logits computed as
+    ``max_pooled_logits`` computes them, a block of texts (or of one text's positions) at a
+    time, at most ``CHUNK_ELEMENTS`` logits per block. No gradient, no row bookkeeping."""
+    B, L, H = hidden_BLH.shape
+    weight_VH, bias_V = parts.weight, parts.bias
+    V, dev = weight_VH.shape[0], hidden_BLH.device
+    texts = max(1, CHUNK_ELEMENTS // (L * V))  # texts per block
+    span = L if texts > 1 or L * V <= CHUNK_ELEMENTS else max(1, CHUNK_ELEMENTS // V)
+    out_BV = torch.full((B, V), float("-inf"), dtype=torch.float32, device=dev)
+    for t0 in range(0, B, texts):
+        t1 = min(B, t0 + texts)
+        for p0 in range(0, L, span):
+            p1 = min(L, p0 + span)
+            x_NH = parts.transform(hidden_BLH[t0:t1, p0:p1].reshape(-1, H))
+            if x_NH.dtype == torch.float32 and weight_VH.dtype == torch.float32:
+                logits = x_NH @ weight_VH.t()
+            else:
+                logits = (x_NH.to(weight_VH.dtype) @ weight_VH.t()).float()
+            if bias_V is not None:
+                logits += bias_V.float()
+            logits = logits.view(t1 - t0, p1 - p0, V)
+            logits.masked_fill_(~ordinary_BL[t0:t1, p0:p1, None], float("-inf"))
+            torch.maximum(out_BV[t0:t1], logits.amax(1), out=out_BV[t0:t1])
+    return out_BV.masked_fill_(~ordinary_BL.any(1)[:, None], 0.0)
 
 
 def head_weights(model: nn.Module) -> list[nn.Parameter]:
