@@ -94,6 +94,13 @@ class RecipeConfig:
     lowered nDCG@10 from 0.7608 to 0.7463 at top 30 (it dropped 9 of each query's 30
     candidates, the hardest) and changed nothing measurable at top 200 (0.7466 / 0.7453);
     SciFact's claims have few unlabelled positives."""
+    refresh_mode: str = "full"
+    """How the ANCE arm's refresher mines each version (``refresh.mode``): ``full`` encodes
+    the corpus every time; ``pool`` re-scores the top ``pool_k`` of its last full refresh
+    with the new checkpoint (``retromae_ds.ance.candidate_pool``; with 2 versions, v1 from
+    step 0 is full and v2 re-scores its pool; benchmarks/bench_candidate_pool.py)."""
+    pool_k: int = 0
+    """K' of ``refresh_mode pool`` (``refresh.pool_k``; 0: ``top_k``)."""
     refresh_threads: int = 1
     """Torch threads of the ANCE arm's CPU refresher, which shares the cores with the
     trainer (``refresh.threads``; benchmarks/bench_ance.py)."""
@@ -184,6 +191,8 @@ class Recipe:
                     seed=seed,
                 ),
                 threads=cfg.refresh_threads,
+                mode=cfg.refresh_mode,
+                pool_k=cfg.pool_k,
                 # the step-0 checkpoint is the init for every seed: encoded once
                 cache_dir=str(self.out / "embedding_cache"),
                 bf16=cfg.eval_bf16,
@@ -529,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=RecipeConfig.top_k)
     p.add_argument("--max-score-ratio", type=float, default=RecipeConfig.max_score_ratio)
     p.add_argument("--refresh-threads", type=int, default=RecipeConfig.refresh_threads)
+    p.add_argument("--refresh-mode", choices=("full", "pool"), default=RecipeConfig.refresh_mode)
+    p.add_argument("--pool-k", type=int, default=RecipeConfig.pool_k)
     p.add_argument(
         "--extra-task",
         action="append",
@@ -559,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         max_score_ratio=args.max_score_ratio,
         refresh_threads=args.refresh_threads,
+        refresh_mode=args.refresh_mode,
+        pool_k=args.pool_k,
         extra_tasks=extra,
     )
     print(

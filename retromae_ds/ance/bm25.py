@@ -1,6 +1,7 @@
 """The first negatives of a fine-tuning run: BM25's top-K (``eval.lexical``, language-aware),
 one more ranking handed to the refresher's own mine-and-publish path (``ance.publish``) with
-the run's mining settings and seed."""
+the run's mining settings and seed. With ``refresh.mode pool`` its top K' are kept as v0's
+candidate pool (``ance.candidate_pool``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
+from retromae_ds.ance.candidate_pool import Plan, pool_width, prune, save_pool
 from retromae_ds.ance.data import TrainingSet
 from retromae_ds.ance.publish import Ranking, mine_and_publish
 from retromae_ds.ance.refresh_config import RefreshConfig
@@ -46,19 +48,32 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
     from retromae_ds.eval.lexical import choose_analyzer
 
     passages = [text_of[d] for d in ts.passage_ids]
+    # refresh.mode pool: the top K' are kept as this version's candidate pool
+    pool_k = pool_width(cfg) if cfg.mode == "pool" else 0
     ranked = bm25_rankings(
-        passages, [queries[q] for q in ts.query_ids], cfg.mining.top_k, progress=cfg.progress
+        passages,
+        [queries[q] for q in ts.query_ids],
+        max(cfg.mining.top_k, pool_k),
+        progress=cfg.progress,
     )
+    version = handoff.next_version(Path(root))
+    extra = {}
+    if pool_k:
+        save_pool(Path(root), version, ranked[:, :pool_k], ts, source="bm25", step=0)
+        extra["candidate_pool"] = Plan("bm25", pool_k, version).record(0, cfg.pool_full_every)
     manifest, _ = mine_and_publish(
         root,
-        handoff.next_version(Path(root)),
-        Ranking(ids=ranked),
+        version,
+        Ranking(ids=ranked[:, : cfg.mining.top_k]),
         ts,
         cfg.mining,
         seed=cfg.mining.seed,
         keep_last=cfg.keep_last,
         step=0,
         source={"source": "bm25", "analyzer": choose_analyzer(passages)},
+        extra=extra,
         timings={"bm25_s": time.perf_counter() - t0},
     )
+    if pool_k:
+        prune(Path(root), version)
     return manifest

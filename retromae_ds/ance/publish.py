@@ -48,6 +48,13 @@ class Ranking:
             np.savez(f, **arrays)
         os.replace(hidden, path)
 
+    def head(self, k: int) -> Ranking:
+        """The best ``k`` candidates of each query (itself when it holds no more)."""
+        if self.ids.shape[1] <= k:
+            return self
+        scores = None if self.scores is None else self.scores[:, :k]
+        return Ranking(ids=self.ids[:, :k], scores=scores, positives=self.positives)
+
     @classmethod
     def load(cls, path: Path) -> Ranking:
         with np.load(path) as z:

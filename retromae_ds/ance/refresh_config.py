@@ -50,6 +50,10 @@ class MiningConfig:
             )
 
 
+REFRESH_MODES = ("full", "pool")
+"""``refresh.mode``: encode the whole corpus every version, or re-score a candidate pool."""
+
+
 MINING_FIELDS = ("top_k", "num_negatives", "strategy", "skip_top", "max_score_ratio", "seed")
 
 
@@ -136,6 +140,32 @@ class RefreshConfig:
     """Stop when this process (the trainer, for its ``--refresher local`` subprocess) is gone
     (0: no such process). The trainer passes it on the command line, never in
     refresh_config.json, which other refreshers of the run read too."""
+    mode: str = "full"
+    """``full``: every version encodes the whole corpus and searches it. ``pool``: a version
+    may instead re-score a candidate pool (``retromae_ds.ance.candidate_pool``): each
+    training query's top ``pool_k`` from the last full refresh (kept as
+    ``negatives/pools/v{N}.npy`` with its sha256), re-scored exactly with the new
+    checkpoint's towers and pooling, which encode only the queries and the pool's passages
+    (cost ∝ queries × ``pool_k``, at most the corpus); the best ``mining.top_k`` go through
+    the same mining and publication. Each manifest's ``candidate_pool`` records the mode,
+    K', the pool's version and why a version was mined in full. Measured on SciFact in
+    benchmarks/bench_candidate_pool.py."""
+    pool_k: int = 0
+    """K' of ``mode pool``: candidates kept per training query by a full refresh (and BM25's
+    v0) and re-scored by the versions after it (0: ``mining.top_k``). A version re-ranks
+    them and keeps ``mining.top_k``; a pool narrower than this (another ``pool_k``) is
+    refreshed in full."""
+    pool_full_every: int = 4
+    """``mode pool``: a version is mined in full when the pool it would re-score was written
+    this many versions before it or more (4: one full refresh, then three pool versions; 1:
+    every version in full; 0: only when no usable pool exists). A pool is the previous
+    model's neighbourhood: it never holds passages the newer model moved close, so a pool
+    re-scored for ever goes stale."""
+    pool_from_bm25: bool = False
+    """``mode pool``: BM25's v0 top-``pool_k`` may serve as the first pool (no version then
+    encodes the corpus before ``pool_full_every``). Off: the first model version is mined in
+    full, so the pool is a dense model's neighbourhood, not the passages sharing words with
+    the query."""
 
     def __post_init__(self) -> None:
         check_index_setting(self.index, self.search_backend, "refresh.")
@@ -152,6 +182,11 @@ class RefreshConfig:
             raise ValueError(f"refresh.wait_report_s must be > 0, got {self.wait_report_s}")
         if self.shard_rows < 1:
             raise ValueError(f"refresh.shard_rows must be >= 1, got {self.shard_rows}")
+        if self.mode not in REFRESH_MODES:
+            raise ValueError(f"refresh.mode must be one of {REFRESH_MODES}, not {self.mode!r}")
+        for name in ("pool_k", "pool_full_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"refresh.{name} must be >= 0, not {getattr(self, name)}")
         if self.embedding_dtype not in DTYPES:
             raise ValueError(
                 f"refresh.embedding_dtype must be one of {DTYPES}, not {self.embedding_dtype!r}"

@@ -57,15 +57,15 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from retromae_ds import faults, holder_lock
+from retromae_ds.ance import candidate_pool, embed_shards, handoff
 from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.publish import Ranking, mine_and_publish
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.ance.stages import (
@@ -224,11 +224,17 @@ def refresh_once(
     step = ckpt.read_marker(checkpoint)["step"]
     meta = {"checkpoint": str(checkpoint), "step": step, "world_size": group.world}
     job = Job(cfg, ts, checkpoint, version, step, group, root / ".work" / f"v{version}")
+    # refresh.mode pool: re-score the candidate pool, or mine in full and keep a new one
+    plan = group.broadcast(candidate_pool.plan(cfg, root, version, ts) if group.rank == 0 else None)
+    search: Callable[..., None] = search_stage
+    if plan is not None:
+        meta.update(plan.meta())
+        search = candidate_pool.set_up(plan, job, root) or search_stage
     work = open_work(root, version, meta, group, job.shards())
     ranked = group.broadcast((work / RANKING).is_file() if group.rank == 0 else None)
     shard_report: list[dict[str, Any]] = []
     if not ranked:
-        _encode_verified(job)
+        _encode_verified(job, search)
         shard_report = group.gather(
             {"counts": job.shard_counts(), "cache": list(job.shard_cache.values())}
         )
@@ -246,10 +252,19 @@ def refresh_once(
                 [answer for rank in shard_report for answer in rank["cache"]] or ["none"]
             )
         faults.crash("crash_in_refresh_at", "publish")
+        if plan is not None and plan.mode == "full":  # kept before the version names it
+            candidate_pool.save_pool(
+                root, version, ranking.ids[:, : plan.k], ts, source="model", step=step,
+                checkpoint=checkpoint.name,
+            )  # fmt: skip
+        ranking = ranking.head(cfg.mining.top_k)  # a full refresh of pool mode searched K'
         if "encode_passages_s" in job.timings:
-            job.timings["passages_per_s"] = ts.num_passages / max(
+            job.timings["passages_per_s"] = job.num_encoded() / max(
                 job.timings["encode_passages_s"], 1e-9
             )
+        extra = {} if plan is None else {
+            "candidate_pool": plan.record(job.num_encoded(), cfg.pool_full_every)
+        }  # fmt: skip
         manifest, filtered = mine_and_publish(
             root,
             version,
@@ -269,9 +284,12 @@ def refresh_once(
                 # what rank 0's index resolved to (factory string, nprobe, ef_search, ...)
                 "index_resolved": read_json(job.part("index", 0).with_suffix(".json")),
                 "embedding_shards": _shard_summary(cfg, job, shard_report),
+                **extra,
             },
             timings=job.timings,
         )
+        if plan is not None:  # the pool the new version names is the one kept
+            candidate_pool.prune(root, plan.pool_version)
         _record(layout, manifest, filtered)
         shutil.rmtree(work, ignore_errors=True)
         print(
@@ -284,15 +302,16 @@ def refresh_once(
     return manifest
 
 
-def _encode_verified(job: Job) -> None:
+def _encode_verified(job: Job, search: Callable[..., None] = search_stage) -> None:
     """Encode, verify, search (every rank): a shard that fails its checksum when the search
     stage opens it is deleted and the stages run again, which encode only what is missing;
-    shards that keep failing (a disk that does not keep what is written) stop the refresh."""
+    shards that keep failing (a disk that does not keep what is written) stop the refresh.
+    ``search``: ``search_stage``, or a pool version's ``candidate_pool.rescore_stage``."""
     for _ in range(MAX_ENCODE_ROUNDS):
         queries, shards = encode_stage(job)
         bad = verify_stage(job, shards)
         if not any(job.group.gather(bool(bad))):
-            search_stage(job, queries, shards)
+            search(job, queries, shards)
             return
         del queries
     folder = job.work / embed_shards.PASSAGES

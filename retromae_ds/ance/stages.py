@@ -218,6 +218,19 @@ class Job:
     """The embedding cache's answer per shard: resumed, hit, miss, off or not stored."""
     redone: int = 0
     """Shards of this rank encoded again: another identity, or a failed checksum."""
+    passages: np.ndarray | None = None
+    """The passages the shards hold, sorted (a candidate-pool version: the pool's union,
+    ``candidate_pool``); None: the whole corpus, shard s holding passages s·R .. (s+1)·R."""
+    search_k: int = 0
+    """Candidates kept per query by the search and the merge (a full refresh that writes a
+    candidate pool keeps K'); 0: ``mining.top_k``."""
+
+    def top_k(self) -> int:
+        return self.search_k or self.cfg.mining.top_k
+
+    def num_encoded(self) -> int:
+        """Passages this version encodes: the corpus, or a candidate pool's union."""
+        return self.ts.num_passages if self.passages is None else len(self.passages)
 
     def shard_counts(self) -> dict[str, int]:
         counts = {"encoded": 0, "cached": 0, "resumed": 0}
@@ -230,7 +243,7 @@ class Job:
 
     def shards(self) -> list[Shard]:
         """Every passage shard of this version (``refresh.shard_rows`` each)."""
-        return embed_shards.layout(self.work / PASSAGES, self.ts.num_passages, self.cfg.shard_rows)
+        return embed_shards.layout(self.work / PASSAGES, self.num_encoded(), self.cfg.shard_rows)
 
     def my_shards(self) -> list[Shard]:
         """This rank's contiguous run of shards (the first ranks get the longer runs, so
@@ -291,14 +304,14 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
     if group.rank == 0:
         print(
             f"refresh: v{job.version} from {job.checkpoint.name} (step {job.step}): encoding "
-            f"{ts.num_passages} passages ({len(job.shards())} shard(s) of up to "
+            f"{_what_passages(job)} ({len(job.shards())} shard(s) of up to "
             f"{cfg.shard_rows}, {cfg.embedding_dtype}) on {group.world} rank(s)",
             file=sys.stderr,
             flush=True,
         )
     qlo, qhi = split(ts.num_queries, group.world, group.rank)
     dim = passage_model.config.hidden_size
-    if shards:  # bad settings: before encoding
+    if shards and job.passages is None:  # bad settings: before encoding
         index_choice(cfg, sum(shard.rows for shard in shards), dim)
     t0 = time.perf_counter()
     passage_digest = folder_digest(encoder_dir)
@@ -311,6 +324,8 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
         "device": device.type,
         "dtype": cfg.embedding_dtype,
     }
+    if job.passages is not None:  # a candidate pool's union: these rows, not the corpus's
+        identity["passages"] = rows_digest(job.passages)
     timings["encoder_digest_s"] = time.perf_counter() - t0
     cache = EmbeddingCache(cfg.cache_dir)
     base = {
@@ -359,7 +374,10 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
                 f"refresh: {shard.npy}: {problem}; encoding it again", file=sys.stderr, flush=True
             )
             job.redone += 1
-        rows = ts.passage_rows[shard.lo : shard.hi]
+        if job.passages is None:
+            rows = ts.passage_rows[shard.lo : shard.hi]
+        else:
+            rows = ts.passage_rows[job.passages[shard.lo : shard.hi]]
         key = {"texts": "passages", **base, "encoder": passage_digest, "rows": rows_digest(rows)}
         # the token shards mapped for this embedding shard alone: their pages leave the
         # resident set with it, so what encoding holds does not grow with the corpus read
@@ -401,12 +419,18 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
     return queries, shards
 
 
+def _what_passages(job: Job) -> str:
+    if job.passages is None:
+        return f"{job.ts.num_passages} passages"
+    return f"the candidate pool's {len(job.passages)} of {job.ts.num_passages} passages"
+
+
 def verify_stage(job: Job, shards: list[Shard]) -> list[Shard]:
     """The shards of ``shards`` whose bytes fail their checksum, deleted (each said in one
     line) so that the next encode stage writes them again; none of them is ever searched."""
     if job.group.rank == 0:
         print(
-            f"refresh: v{job.version}: verifying and searching {job.ts.num_passages} passages",
+            f"refresh: v{job.version}: verifying and searching {_what_passages(job)}",
             file=sys.stderr,
             flush=True,
         )
@@ -451,7 +475,7 @@ def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
     record = job.part("index").with_suffix(".json")
     with writing(record, "the index record"):
         atomic_write_text(record, json.dumps(choice.record() if choice else None))
-    k = min(cfg.mining.top_k, max(1, n))
+    k = min(job.top_k(), max(1, n))
     device = pick_device(cfg, job.group.local_rank)  # torch backend: this rank's device
     bar = dict(desc=f"search r{job.group.rank}", unit="shard", disable=not cfg.progress)
     if not shards:
@@ -504,7 +528,7 @@ def merge_stage(job: Job) -> Ranking:
     scores, ids, pos_scores = merged.scores, merged.ids, merged.positives
     for r in range(1, job.group.world):
         part = Ranking.load(job.part("topk", r).with_suffix(".npz"))
-        scores, ids = merge_topk(scores, ids, part.scores, part.ids, job.cfg.mining.top_k)
+        scores, ids = merge_topk(scores, ids, part.scores, part.ids, job.top_k())
         pos_scores = np.fmin(pos_scores, part.positives)
     ranking = Ranking(ids=ids, scores=scores, positives=pos_scores)
     path = job.work / RANKING
