@@ -26,8 +26,9 @@ Points:
     ``os._exit(CRASH_EXIT)`` once that embedding shard is complete (its manifest written);
 ``crash_in_refresh_at``
     ``os._exit(CRASH_EXIT)`` at a named point of a refresh: ``"search"`` (shards verified,
-    nothing searched yet), ``"merge"`` (every rank's top-K written, before the merge),
-    ``"publish"`` (the merged ranking written, before mining and publishing);
+    nothing searched yet), ``"rescore"`` (a candidate-pool version: its shards verified,
+    before the pool is re-scored), ``"merge"`` (every rank's top-K written, before the
+    merge), ``"publish"`` (the merged ranking written, before mining and publishing);
 ``sleep_before_search_s``
     seconds the refresher sleeps when its search stage starts (time to fill a disk between
     the encoding and the search).
