@@ -13,6 +13,8 @@ under 0.3).
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -294,3 +296,72 @@ def test_refresher_mines_through_an_approximate_index(tmp_path, tokenizer_dir):
         positives = set(ts.positives[q].tolist())
         assert len(hnsw.of(q)) == 3 and not set(hnsw.of(q).tolist()) & positives
         assert not set(ivf.of(q).tolist()) & positives
+
+
+def test_bench_search_scale_corpus_and_measurement(tmp_path, monkeypatch):
+    """benchmarks/bench_search_scale.py (issue 43's 100k / 1M table) at toy size. Its corpus
+    keeps the SciFact abstracts intact in front and behind them joins two 24-word halves, each
+    from a sentence start of one document, the two from different documents of one source;
+    its measurement finds exact's ranking with flat and with IVF probing every list (recall 1,
+    the same mined negatives), less with one list of 64."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.syspath_prepend(str(repo / "benchmarks"))
+    import bench_search_scale as scale
+
+    data = tmp_path / "data"
+    (data / "scifact").mkdir(parents=True)
+    (data / "wikitext2").mkdir()
+
+    def doc(tag: str, i: int) -> str:
+        return " ".join(" ".join(f"{tag}{i}x{s}x{w}" for w in range(8)) + "." for s in range(6))
+
+    abstracts = [{"_id": str(i), "title": f"a{i}t.", "text": doc("a", i)} for i in range(30)]
+    (data / "scifact" / "corpus.jsonl").write_text("\n".join(map(json.dumps, abstracts)))
+    wiki = ["= Heading =", *(doc("w", i) for i in range(20))]
+    (data / "wikitext2" / "wiki.test.raw").write_text("\n".join(wiki))
+    builtin = [{"_id": str(i), "title": "", "text": doc("b", i)} for i in range(10)]
+    monkeypatch.setattr("retromae_ds.data.builtin_corpus.iter_documents", lambda: iter(builtin))
+    rows, n_real = scale.passages(data, 400)
+    assert n_real == 30 and rows[:30] == [f"a{i}t. {doc('a', i)}" for i in range(30)]
+    assert len(set(rows)) == 400
+    sources = set()
+    for words in map(str.split, rows[30:]):
+        tags = [re.match(r"[abw]\d+", w).group() for w in words]
+        cut = tags.index(tags[-1])  # two documents, one after the other
+        assert tags[0] != tags[-1] and set(tags[:cut]) == {tags[0]}, words
+        assert set(tags[cut:]) == {tags[-1]} and tags[0][0] == tags[-1][0]  # of one source
+        for half in (words[:cut], words[cut:]):  # 12-24 words from a sentence start
+            assert scale.MIN_HALF_WORDS <= len(half) <= scale.HALF_WORDS, words
+            assert half[0].endswith(("x0", "t.")), words
+        sources.add(tags[0][0])
+    assert sources == {"a", "b", "w"}
+
+    out = tmp_path / "vectors"
+    (out / "chunks").mkdir(parents=True)
+    corpus, queries = clustered(3000, 40)
+    for i in range(3):
+        np.save(scale.chunk_path(out, i), corpus[i * 1000 : (i + 1) * 1000])
+    np.save(out / "queries.npy", queries)
+    positives = [[q % 50, 1000 + q] for q in range(40)]
+    (out / "positives.json").write_text(json.dumps(positives))
+    (out / "meta.json").write_text(json.dumps({"chunk": 1000, "scifact_rows": 50}))
+    result = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "bench_search_scale.py"), "--json",
+         str(tmp_path / "rows.json"), "measure", "--out", str(out), "--n", "2500", "--kinds",
+         "flat", "ivf", "--nprobes", "1", "64", "--threads", "1", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [(r["kind"], r["nprobe"]) for r in rows] == [("flat", 0), ("ivf", 8), ("ivf", 1),
+                                                       ("ivf", 64)]  # fmt: skip
+    assert rows[1]["factory"] == "IVF64,Flat"  # 4·√2500 = 200 lists, capped at 2500 / 39
+    for r in (rows[0], rows[3]):
+        assert r["recall_at_200"] == r["scifact_recall_at_200"] == 1.0, r
+        assert r["mined_overlap_random"] == r["mined_overlap_top"] == 1.0, r
+    assert rows[2]["recall_at_200"] < 0.9 and rows[2]["mined_overlap_top"] < 1.0
+    assert all(r["queries_per_s"]["1"] > 0 and r["bytes_per_vector"] > 0 for r in rows)

@@ -87,7 +87,7 @@ class RefreshConfig:
     nprobe: int = 0
     """IVF lists probed per query (0: auto, 1/8 of the lists); at most the index's lists."""
     ef_search: int = 0
-    """HNSW candidate-list size per query (0: auto, 2 × mining.top_k and at least 64; for an
+    """HNSW candidate-list size per query (0: auto, 4 × mining.top_k and at least 64; for an
     HNSW coarse quantiser 2 × nprobe); HNSW indexes only."""
     train_size: int = 0
     """Passages sampled (seed ``mining.seed``) to train an IVF or PQ index (0: auto, 64 per

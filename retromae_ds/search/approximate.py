@@ -36,9 +36,15 @@ AUTO_TRAIN_PER_CENTROID = 64
 """``train_size`` 0 samples this many vectors per centroid (at most all of them)."""
 AUTO_NPROBE_DIVISOR = 8
 """``nprobe`` 0 probes 1/8 of the lists (at least 1): recall@200 0.90 at 20,000 MiniLM
-vectors and 512 lists (benchmarks/bench_search.py); to be refitted at 1M."""
-AUTO_EF_PER_K = 2
-"""``ef_search`` 0 keeps 2·k candidates in HNSW's list (2·nprobe for an HNSW quantiser)."""
+vectors and 512 lists (benchmarks/bench_search.py), 0.964 at 1,000,000 and 4,096 lists
+(benchmarks/bench_search_scale.py; 1.4x exact's speed there, 1/32 of the lists: 0.905 at
+5.9x). Kept for recall; docs/ance.md has the table."""
+AUTO_EF_PER_K = 4
+"""``ef_search`` 0 keeps 4·k candidates in HNSW's list for k results: at 1,000,000 MiniLM
+vectors, k 200, recall@200 0.955 at 8.3x exact's speed (2·k: 0.932 at 15.7x;
+benchmarks/bench_search_scale.py)."""
+AUTO_EF_PER_NPROBE = 2
+"""An HNSW coarse quantiser's ``ef_search`` 0: 2·nprobe candidates for the nprobe lists."""
 AUTO_EF_MIN = 64
 
 _TRANSFORMS = re.compile(r"(PCA|OPQ|RR|ITQ|L2norm)")
@@ -49,9 +55,10 @@ def auto_nprobe(nlist: int) -> int:
     return max(1, nlist // AUTO_NPROBE_DIVISOR)
 
 
-def auto_ef_search(k: int) -> int:
-    """HNSW candidate list when ``ef_search`` is 0, for ``k`` results wanted."""
-    return max(AUTO_EF_MIN, AUTO_EF_PER_K * k)
+def auto_ef_search(k: int, *, quantizer: bool = False) -> int:
+    """HNSW candidate list when ``ef_search`` is 0, for ``k`` results wanted (or, for an
+    HNSW coarse quantiser, ``k`` lists probed)."""
+    return max(AUTO_EF_MIN, (AUTO_EF_PER_NPROBE if quantizer else AUTO_EF_PER_K) * k)
 
 
 def divisors(n: int) -> list[int]:
@@ -226,7 +233,7 @@ class ApproximateIndex:
         fb.check_gpu_k(max(width, self.nprobe), self.on_gpu)
         ef = self.ef_search
         if not ef and self.layout.hnsw_quantizer:
-            ef = auto_ef_search(self.nprobe)
+            ef = auto_ef_search(self.nprobe, quantizer=True)
         elif not ef and self.layout.hnsw:
             ef = auto_ef_search(width)
         fb.set_search_parameters(

@@ -36,7 +36,7 @@ class IndexChoice:
     nprobe: int
     """IVF lists probed per query (0: no lists)."""
     ef_search: int
-    """HNSW candidate list (0: no graph, or 2·k per search)."""
+    """HNSW candidate list (0: no graph, or auto: 4·k per search)."""
     train_size: int
     """Vectors sampled to train lists or codes (0: no training)."""
 
