@@ -49,6 +49,7 @@ from retromae_ds import faults
 from retromae_ds.ance import handoff
 from retromae_ds.ance.data import TrainingSet
 from retromae_ds.ance.embed_shards import Shard, ShardRows
+from retromae_ds.ance.mining import positive_pairs
 from retromae_ds.ance.publish import Ranking
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.ance.stages import Job, split, writing
@@ -338,9 +339,7 @@ def _positive_scores(
     """As ``mining.positive_scores``: per (query, positive) pair in the order of
     ``ts.positives``, the inner product (float64) for this rank's queries, NaN elsewhere (and
     everywhere when the positives were not encoded)."""
-    positives = job.ts.positives
-    q_idx = np.concatenate([np.full(len(p), q, dtype=np.int64) for q, p in enumerate(positives)])
-    p_idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in positives])
+    q_idx, p_idx = positive_pairs(job.ts.positives)
     out = np.full(len(p_idx), np.nan, dtype=np.float64)
     if not with_positives:
         return out

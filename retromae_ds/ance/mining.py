@@ -96,14 +96,21 @@ def drop_likely_positives(
     return np.where(drop, -1, ranked_QK), drop.sum(1)
 
 
+def positive_pairs(positives: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(query index, passage index) int64 of every (query, positive) pair, in the order of
+    ``positives`` (query by query): the order ``positive_scores`` and ``min_per_query`` use."""
+    q_idx = np.concatenate([np.full(len(p), q, dtype=np.int64) for q, p in enumerate(positives)])
+    p_idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in positives])
+    return q_idx, p_idx
+
+
 def positive_scores(
     query_QD: np.ndarray, passages_ND: np.ndarray, offset: int, positives: Sequence[np.ndarray]
 ) -> np.ndarray:
     """Score (inner product) of every (query, positive) pair whose passage lies in
     ``passages_ND`` (rows ``offset .. offset + N``), NaN for the others; flattened in the
     order of ``positives`` (query by query). ``min_per_query`` folds parts and queries."""
-    q_idx = np.concatenate([np.full(len(p), q, dtype=np.int64) for q, p in enumerate(positives)])
-    p_idx = np.concatenate([np.asarray(p, dtype=np.int64) for p in positives])
+    q_idx, p_idx = positive_pairs(positives)
     out = np.full(len(p_idx), np.nan, dtype=np.float64)
     here = (p_idx >= offset) & (p_idx < offset + len(passages_ND))
     rows_q, rows_p = query_QD[q_idx[here]], passages_ND[p_idx[here] - offset]

@@ -51,6 +51,24 @@ NO_ROW = -1
 """``best`` of a (document, entry) pair whose document has no ordinary position."""
 
 
+def _head_logits(
+    x_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 ``x @ weight.T + bias`` (into ``out`` when given): the product in the weight's
+    dtype, as both max-pools compute it."""
+    if x_NH.dtype == torch.float32 and weight_VH.dtype == torch.float32:
+        logits = torch.mm(x_NH, weight_VH.t(), out=out) if out is not None else x_NH @ weight_VH.t()
+    else:
+        product = x_NH.to(weight_VH.dtype) @ weight_VH.t()
+        logits = out.copy_(product) if out is not None else product.float()
+    if bias_V is not None:
+        logits += bias_V.float()
+    return logits
+
+
 class _MaxPooledLogits(torch.autograd.Function):
     """max over the rows of each group of ``x @ W.T + b``, chunk by chunk (see the module doc)."""
 
@@ -60,17 +78,10 @@ class _MaxPooledLogits(torch.autograd.Function):
         pooled_GV = torch.full((groups, V), float("-inf"), dtype=torch.float32, device=dev)
         best_GV = torch.full((groups, V), NO_ROW, dtype=torch.int32, device=dev)
         buf = torch.empty((min(chunk, n), V), dtype=torch.float32, device=dev)
-        fp32 = x_NH.dtype == torch.float32 and weight_VH.dtype == torch.float32
         for start in range(0, n, chunk):
             x = x_NH[start : start + chunk]
             g = group_N[start : start + chunk]
-            logits = buf[: len(g)]
-            if fp32:
-                torch.mm(x, weight_VH.t(), out=logits)
-            else:
-                logits.copy_(x.to(weight_VH.dtype) @ weight_VH.t())
-            if bias_V is not None:
-                logits += bias_V.float()
+            logits = _head_logits(x, weight_VH, bias_V, out=buf[: len(g)])
             index = g[:, None].expand(-1, V)
             pooled_GV.scatter_reduce_(0, index, logits, "amax")
             # rows come in increasing order: a row reaching the running maximum now is the
@@ -281,13 +292,7 @@ def _masked_max_logits(
         for p0 in range(0, L, span):
             p1 = min(L, p0 + span)
             x_NH = parts.transform(hidden_BLH[t0:t1, p0:p1].reshape(-1, H))
-            if x_NH.dtype == torch.float32 and weight_VH.dtype == torch.float32:
-                logits = x_NH @ weight_VH.t()
-            else:
-                logits = (x_NH.to(weight_VH.dtype) @ weight_VH.t()).float()
-            if bias_V is not None:
-                logits += bias_V.float()
-            logits = logits.view(t1 - t0, p1 - p0, V)
+            logits = _head_logits(x_NH, weight_VH, bias_V).view(t1 - t0, p1 - p0, V)
             logits.masked_fill_(~ordinary_BL[t0:t1, p0:p1, None], float("-inf"))
             torch.maximum(out_BV[t0:t1], logits.amax(1), out=out_BV[t0:t1])
     return out_BV.masked_fill_(~ordinary_BL.any(1)[:, None], 0.0)
