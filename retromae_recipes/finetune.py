@@ -101,6 +101,16 @@ class RecipeConfig:
     step 0 is full and v2 re-scores its pool; benchmarks/bench_candidate_pool.py)."""
     pool_k: int = 0
     """K' of ``refresh_mode pool`` (``refresh.pool_k``; 0: ``top_k``)."""
+    refresh_index: str = "auto"
+    """The index the ANCE arm's refresher searches with (``refresh.index``: flat, ivf, ivfpq,
+    hnsw, auto or a faiss string; auto is exact below 200,000 passages)."""
+    train_corpus: str = ""
+    """A BEIR ``corpus.jsonl`` that training and mining use instead of ``data``'s (SciFact's
+    abstracts padded with distractors: benchmarks/bench_index_effect.py); every evaluation
+    stays on ``data``'s corpus."""
+    embedding_cache: str = ""
+    """The refresher's embedding cache (``refresh.cache_dir``; default ``out/embedding_cache``):
+    recipes that share their step-0 encoder and corpus can share it."""
     refresh_threads: int = 1
     """Torch threads of the ANCE arm's CPU refresher, which shares the cores with the
     trainer (``refresh.threads``; benchmarks/bench_ance.py)."""
@@ -148,12 +158,57 @@ def split_train(src: Path, dst: Path, holdout: int, seed: int) -> Path:
     return dst
 
 
+def with_corpus(beir: Path, corpus: Path, dst: Path) -> Path:
+    """``dst``: the BEIR folder ``beir`` (its queries and qrels linked) with ``corpus`` as its
+    corpus; every judged passage of ``beir`` must be in it. Written whole or not at all; an
+    existing one is kept when it links the same corpus."""
+    corpus = corpus.resolve()
+    if (dst / "corpus.jsonl").is_symlink() and (dst / "corpus.jsonl").resolve() == corpus:
+        return dst
+    if dst.exists():
+        raise ValueError(
+            f"{dst} holds another corpus than {corpus}: remove it or use another --out"
+        )
+    ids = set()
+    with corpus.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                ids.add(json.loads(line)["_id"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{corpus}:{n}: not a BEIR corpus line ({e})") from None
+    judged = {
+        row.split("\t")[1]
+        for qrels in sorted((beir / "qrels").glob("*.tsv"))
+        for row in qrels.read_text(encoding="utf-8").splitlines()[1:]
+        if row.strip()
+    }
+    missing = sorted(judged - ids)
+    if missing:
+        raise ValueError(
+            f"{corpus}: {len(missing)} judged passages of {beir} missing, e.g. {missing[:3]}"
+        )
+    staging = dst.with_name(dst.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "qrels").mkdir(parents=True)
+    os.symlink(corpus, staging / "corpus.jsonl")
+    os.symlink((beir / "queries.jsonl").resolve(), staging / "queries.jsonl")
+    for qrels in sorted((beir / "qrels").glob("*.tsv")):
+        os.symlink(qrels.resolve(), staging / "qrels" / qrels.name)
+    os.replace(staging, dst)
+    return dst
+
+
 class Recipe:
     def __init__(self, cfg: RecipeConfig) -> None:
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.init = Path(cfg.init) if cfg.init else minilm_dir()
         self.beir = split_train(Path(cfg.data), self.out / "data", cfg.holdout, cfg.split_seed)
+        self.train_beir = (
+            with_corpus(self.beir, Path(cfg.train_corpus), self.out / "data_train")
+            if cfg.train_corpus
+            else self.beir
+        )
         self._loaded: dict[tuple[str, str], Any] = {}
 
     def run_dir(self, arm: str, seed: int) -> Path:
@@ -173,7 +228,7 @@ class Recipe:
             progress=False,
             refresher="local" if ance else "none",
             data=FinetuneDataConfig(
-                beir=str(self.beir),
+                beir=str(self.train_beir),
                 split="train",
                 q_max_len=cfg.q_max_len,
                 p_max_len=cfg.p_max_len,
@@ -191,10 +246,11 @@ class Recipe:
                     seed=seed,
                 ),
                 threads=cfg.refresh_threads,
+                index=cfg.refresh_index,
                 mode=cfg.refresh_mode,
                 pool_k=cfg.pool_k,
                 # the step-0 checkpoint is the init for every seed: encoded once
-                cache_dir=str(self.out / "embedding_cache"),
+                cache_dir=cfg.embedding_cache or str(self.out / "embedding_cache"),
                 bf16=cfg.eval_bf16,
                 bf16_cpu=cfg.eval_bf16,
                 progress=False,
@@ -538,6 +594,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=RecipeConfig.top_k)
     p.add_argument("--max-score-ratio", type=float, default=RecipeConfig.max_score_ratio)
     p.add_argument("--refresh-threads", type=int, default=RecipeConfig.refresh_threads)
+    p.add_argument(
+        "--refresh-index", default=RecipeConfig.refresh_index, help="the ANCE refresher's index"
+    )
+    p.add_argument(
+        "--train-corpus",
+        default="",
+        help="corpus.jsonl to train and mine on instead of SciFact's (evaluation stays on it)",
+    )
+    p.add_argument("--embedding-cache", default="", help="default: OUT/embedding_cache")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=RecipeConfig.checkpoint_every,
+        help="ANCE refreshes from every such checkpoint (>= --steps: from step 0 only)",
+    )
     p.add_argument("--refresh-mode", choices=("full", "pool"), default=RecipeConfig.refresh_mode)
     p.add_argument("--pool-k", type=int, default=RecipeConfig.pool_k)
     p.add_argument(
@@ -572,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
         refresh_threads=args.refresh_threads,
         refresh_mode=args.refresh_mode,
         pool_k=args.pool_k,
+        refresh_index=args.refresh_index,
+        train_corpus=args.train_corpus,
+        embedding_cache=args.embedding_cache,
+        checkpoint_every=args.checkpoint_every,
         extra_tasks=extra,
     )
     print(
