@@ -95,9 +95,9 @@ class DualModelConfig:
     pooling: str = "auto"
     """auto (the init's own: its sentence-transformers files, else cls), cls (RetroMAE's
     sentence embedding), mean, dupmae_bow (DupMAE's ordinary-token vector, through the MLM
-    head: the init must keep it) or dupmae ([CLS] and that vector concatenated). The DupMAE
-    poolings train with the BM25 negatives or a refresher elsewhere: the local refresher does
-    not encode with them."""
+    head: the init must keep it) or dupmae ([CLS] and that vector concatenated). The refresher
+    mines with the same pooling (DupMAE's vectors are vocabulary-sized: shards hold fewer
+    passages, and search costs |V| / H times CLS's)."""
     bow_topk: int | None = None
     """DupMAE poolings: entries of the bag-of-words vector kept (none: the init's own, else
     256; 0 keeps all)."""
@@ -280,12 +280,6 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
 
     spec, temperature = cfg.model.resolve(init_dir)
     head = spec.pooling in sbert.HEAD_POOLINGS
-    if head and cfg.refresher == "local":
-        raise ValueError(
-            f"model.pooling {spec.pooling} (from {spec.source}): the local refresher does not "
-            "encode with the DupMAE poolings yet; fine-tune with --refresher none (BM25 "
-            "negatives) or pool with cls / mean"
-        )
     encoder = load_tower(init_dir, head=head)
     query_encoder = None if cfg.model.shared else load_tower(init_dir, head=head)
     for tower in (encoder, query_encoder):

@@ -52,6 +52,14 @@ HEAD_POOLINGS = ("dupmae", "dupmae_bow")
 """Poolings that need the encoder's MLM head: its folder must keep it."""
 DEFAULT_BOW_TOPK = 256
 """Entries of the DupMAE vector kept (the paper's top-k sparsification; 0 keeps all |V|)."""
+
+
+def embedding_dim(pooling: str, hidden_size: int, vocab_size: int) -> int:
+    """Entries of one embedding pooled with ``pooling`` from an encoder of ``hidden_size``
+    whose MLM head predicts ``vocab_size`` tokens (DupMAE's ordinary-token vector: V)."""
+    return {"dupmae_bow": vocab_size, "dupmae": hidden_size + vocab_size}.get(pooling, hidden_size)
+
+
 MODULES_FILE = "modules.json"
 ROUTER_FILE = "router_config.json"
 POOLING_DIR = "1_Pooling"

@@ -241,8 +241,8 @@ class Study:
     def finetune_poolings(self, objective: str, stage: str) -> list[str]:
         """The poolings a cell of ``objective`` is fine-tuned with at ``stage``, one fine-tune
         each: CLS (read with every ``cfg.poolings`` after), and for ``dupmae`` after BM25
-        negatives also each of ``cfg.dupmae_poolings`` (read with it). ANCE's local refresher
-        does not encode with the DupMAE poolings (``retromae_ds/ance/stages.py``)."""
+        negatives also each of ``cfg.dupmae_poolings`` (read with it). The ANCE stage stays
+        with CLS, as planned before the refresher could mine with the DupMAE poolings."""
         if objective == "dupmae" and stage == "bm25":
             return ["cls", *self.cfg.dupmae_poolings]
         return ["cls"]

@@ -144,7 +144,8 @@ class StudyConfig:
     """DupMAE's own poolings (``dupmae_bow``, ``dupmae``; docs/dupmae.md) a ``dupmae`` cell is
     evaluated with besides ``poolings``: zero-shot and on its curve from the same encoding
     pass, and after a BM25-negatives fine-tune by one fine-tune per pooling, trained with it
-    (the ANCE stage fine-tunes with CLS only: the local refresher does not encode with them).
+    (the ANCE stage fine-tunes with CLS only, as planned before the refresher could mine with
+    them).
     Its encoder is exported with the MLM head they read."""
     dupmae_curve: bool = True
     """The curve of a ``dupmae`` cell scores ``dupmae_poolings`` too (off: CLS and mean only).

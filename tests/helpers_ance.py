@@ -1,9 +1,10 @@
 """Small BEIR collections, a tiny encoder and the subprocess environment for the ANCE tests.
 
-Shared by ``test_ance``, ``test_finetune``, ``test_slurm``, ``test_study`` and
+Shared by the ANCE, refresher, fine-tuning, Slurm and study tests and
 ``benchmarks/bench_ance.py``: a synthetic BEIR folder whose positives BM25 ranks high, a
-randomly initialised 2-layer BERT saved with the test tokenizer, a fixed slice of SciFact, and
-the environment that runs the package's command-line tools on CPU.
+randomly initialised 2-layer BERT saved with the test tokenizer, a fixed slice of SciFact, a
+prepared training set, a trainer checkpoint as the refresher sees one, the refresher's command
+line, and the environment that runs the package's command-line tools on CPU.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 
 from synthetic import synthetic_texts
@@ -130,3 +133,44 @@ def load_current(root: Path, retries: int = 5) -> handoff.Negatives | None:
                 raise
             time.sleep(0.05)
     return None
+
+
+def prepared_set(root: Path, beir: Path, tokenizer_dir: Path) -> Path:
+    """``beir``'s train split tokenized into ``root`` (queries 16 tokens, passages 32)."""
+    return ance_data.prepare(
+        beir, "train", tokenizer_dir, root, q_max_len=16, p_max_len=32, progress=False
+    )
+
+
+def fake_checkpoint(run_dir: Path, step: int, encoder_dir: Path) -> Path:
+    """A complete trainer checkpoint as the refresher sees one: marker + encoder folder."""
+    from retromae_ds.components import checkpoint as ckpt
+
+    folder = run_dir / "checkpoints" / ckpt.tag_for(step)
+    shutil.copytree(encoder_dir, folder / "encoder")
+    (folder / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
+    return folder
+
+
+def refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
+    """``python -m retromae_ds.ance.refresher`` on ``run_dir`` with small settings."""
+    return [
+        sys.executable,
+        "-m",
+        "retromae_ds.ance.refresher",
+        "--run_dir",
+        str(run_dir),
+        "--mining.num_negatives",
+        "3",
+        "--mining.top_k",
+        "20",
+        "--batch_size",
+        "4",
+        "--poll_s",
+        "0.2",
+        "--progress",
+        "false",
+        "--device",
+        "cpu",
+        *extra,
+    ]

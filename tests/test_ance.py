@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,26 +29,15 @@ from retromae_ds.ance.mining import (
 )
 from retromae_ds.components.layout import RunLayout
 
-from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
-
-
-# --------------------------------------------------------------------------- helpers
-def prepared_set(root: Path, beir: Path, tokenizer_dir: Path) -> Path:
-    return ance_data.prepare(
-        beir, "train", tokenizer_dir, root, q_max_len=16, p_max_len=32, progress=False
-    )
-
-
-def fake_checkpoint(run_dir: Path, step: int, encoder_dir: Path) -> Path:
-    """A complete trainer checkpoint as the refresher sees one: marker + encoder folder."""
-    import shutil
-
-    from retromae_ds.components import checkpoint as ckpt
-
-    folder = run_dir / "checkpoints" / ckpt.tag_for(step)
-    shutil.copytree(encoder_dir, folder / "encoder")
-    (folder / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
-    return folder
+from helpers_ance import (
+    ENV,
+    fake_checkpoint,
+    load_current,
+    prepared_set,
+    refresh_cmd,
+    write_synthetic_beir,
+    write_tiny_encoder,
+)
 
 
 # --------------------------------------------------------------------------- mining
@@ -390,29 +378,6 @@ def test_gathered_in_batch_negatives_match_a_single_process_big_batch():
 
 
 # --------------------------------------------------------------------------- refresher
-def _refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "retromae_ds.ance.refresher",
-        "--run_dir",
-        str(run_dir),
-        "--mining.num_negatives",
-        "3",
-        "--mining.top_k",
-        "20",
-        "--batch_size",
-        "4",
-        "--poll_s",
-        "0.2",
-        "--progress",
-        "false",
-        "--device",
-        "cpu",
-        *extra,
-    ]
-
-
 @pytest.mark.slow
 def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     from retromae_ds.ance.bm25 import publish_bm25
@@ -431,7 +396,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     root = run / "negatives"
 
     proc = subprocess.Popen(
-        _refresh_cmd(run, "--max_versions", "1"),
+        refresh_cmd(run, "--max_versions", "1"),
         env={**ENV, **faults.env(sleep_after_encode_batch_s=0.1)},
         stderr=subprocess.PIPE,
         text=True,
@@ -452,7 +417,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     assert (root / ".work" / "v1").is_dir()  # its scratch is hidden, not a version
 
     done = subprocess.run(
-        _refresh_cmd(run, "--max_versions", "1"),
+        refresh_cmd(run, "--max_versions", "1"),
         env=ENV,
         capture_output=True,
         text=True,
@@ -475,7 +440,7 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
     # a newer checkpoint: the next run continues at v2, and stops by itself when the trainer
     # says it finished
     fake_checkpoint(run, 9, encoder)
-    proc = subprocess.Popen(_refresh_cmd(run), env=ENV, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(refresh_cmd(run), env=ENV, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while handoff.read_pointer(root)["version"] < 2 and time.monotonic() < deadline:
@@ -511,10 +476,10 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     strategy = ("--mining.strategy", "top", "--max_versions", "1", "--max_score_ratio", "0.97",
                 "--shard_rows", "16")  # fmt: skip
     single = subprocess.run(
-        _refresh_cmd(one, *strategy), env=ENV, capture_output=True, text=True, timeout=180
+        refresh_cmd(one, *strategy), env=ENV, capture_output=True, text=True, timeout=180
     )
     assert single.returncode == 0, single.stderr[-3000:]
-    cmd = _refresh_cmd(two, *strategy)
+    cmd = refresh_cmd(two, *strategy)
     cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", cmd[2]]
     double = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
     assert double.returncode == 0, double.stderr[-3000:]
@@ -524,7 +489,7 @@ def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path,
     # the ranks split the shards, each encoding its own (none twice, none left out)
     shards = -(-ts.num_passages // 16)
     assert b.manifest["embedding_shards"] == a.manifest["embedding_shards"] == {
-        "shards": shards, "shard_rows": 16, "dtype": "float32",
+        "shards": shards, "shard_rows": 16, "dim": 32, "dtype": "float32",
         "encoded": shards, "cached": 0, "resumed": 0, "redone": 0,
     }  # fmt: skip
     # the positives' scores come from both ranks' parts: the filter drops the same candidates

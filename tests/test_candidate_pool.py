@@ -25,14 +25,22 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_ance import _refresh_cmd, fake_checkpoint, prepared_set
 
 from retromae_ds import faults, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.components.layout import QUERY_ENCODER, RunLayout
 
-from helpers_ance import ENV, REPO, load_current, write_synthetic_beir, write_tiny_encoder
+from helpers_ance import (
+    ENV,
+    REPO,
+    fake_checkpoint,
+    load_current,
+    prepared_set,
+    refresh_cmd,
+    write_synthetic_beir,
+    write_tiny_encoder,
+)
 
 TOP_K, POOL_K, SHARD_ROWS = 8, 12, 16
 
@@ -270,7 +278,7 @@ def _cli(assets: SimpleNamespace, run: Path, *extra: str) -> list[str]:
     """A run with v0 and a full v1 and the new towers' checkpoint, and the command-line
     refresher that mines v2 from it in pool mode."""
     _run_with_full_v1(assets, run)
-    return _refresh_cmd(
+    return refresh_cmd(
         run, "--mining.top_k", str(TOP_K), "--mining.strategy", "top", "--max_versions", "1",
         "--data_dir", str(assets.data), "--shard_rows", str(SHARD_ROWS), "--mode", "pool",
         "--pool_k", str(POOL_K), *extra,

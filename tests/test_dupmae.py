@@ -23,7 +23,7 @@ from retromae_ds.modeling.bow import max_pooled_logits, max_pooled_logits_plain
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 
-from helpers_ance import ENV, REPO, write_synthetic_beir
+from helpers_ance import ENV, REPO, fake_checkpoint, prepared_set, write_synthetic_beir
 from helpers_model import SPECIAL, batch_of
 
 UNK = 1  # in SPECIAL.all: an [UNK] inside a text is no ordinary token
@@ -460,16 +460,99 @@ def test_config_errors_name_the_setting(tmp_path, tokenizer_dir):
         sbert.read_spec(tmp_path)
 
 
+def _plain_dupmae_vectors(encoder: Path, ds, rows, special, topk: int) -> np.ndarray:
+    """The DupMAE vectors of shard rows (``[CLS] row [SEP]``), one text at a time: the
+    masked-LM model's [CLS] state, then the max over the ordinary positions of its MLM head,
+    the ``topk`` largest entries kept (normalised when the folder says so)."""
+    from retromae_ds.ance import data as ance_data
+    from retromae_ds.modeling.load import load_with_head
+
+    model = load_with_head(encoder).eval()
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids, mask = ance_data.token_batch(ds, np.asarray([row]), special)
+            hidden = model.bert(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+            ordinary = [i for i, t in enumerate(ids[0].tolist()) if t not in special.all]
+            vector = model.cls(hidden[ordinary]).max(0).values
+            keep = vector.topk(topk).indices
+            sparse = torch.zeros_like(vector)
+            sparse[keep] = vector[keep]
+            out.append(torch.cat([hidden[0], sparse]))
+    vectors = torch.stack(out)
+    if sbert.read_spec(encoder).normalize:
+        vectors = torch.nn.functional.normalize(vectors, dim=-1)
+    return vectors.numpy()
+
+
 @pytest.mark.slow
-def test_finetune_refuses_the_local_refresher_with_a_dupmae_pooling(tmp_path, dupmae_run):
-    beir = write_synthetic_beir(tmp_path / "beir", num_docs=30, num_queries=8)
-    failed = finetune(
-        tmp_path / "ft", "--data.beir", str(beir), "--model.init", str(dupmae_run),
-        "--model.pooling", "dupmae_bow", "--refresher", "local", "--max_steps", "1",
-        "--refresh.mining.num_negatives", "3", check=False,
+def test_the_refresher_mines_with_the_dupmae_pooling_across_shards(
+    tmp_path, dupmae_run, tokenizer_dir, monkeypatch
+):
+    """A checkpoint pooled with ``dupmae``: the refresher loads its head, encodes with the
+    folder's pooling and top-k in shards cut to ``stages.SHARD_BYTES`` (here 15 passages of
+    H + |V| entries), and mines exactly the negatives of a ranking by plain per-text vectors
+    (strategy ``top``: the best non-positives)."""
+    from retromae_ds.ance import data as ance_data
+    from retromae_ds.ance import handoff, refresher, stages
+    from retromae_ds.ance.bm25 import publish_bm25
+    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.components.layout import RunLayout
+    from retromae_ds.export import export_encoder
+
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=40, num_queries=8)
+    ts = ance_data.load(prepared_set(tmp_path / "data", beir, tokenizer_dir))
+    encoder = export_encoder(dupmae_run, tmp_path / "export", pooling="dupmae", bow_topk=16)
+    run = tmp_path / "run"
+    cfg = RefreshConfig(
+        run_dir=str(run), data_dir=str(tmp_path / "data"), batch_size=8, device="cpu",
+        progress=False, mining=MiningConfig(top_k=10, num_negatives=3, strategy="top"),
     )  # fmt: skip
-    assert failed.returncode != 0
-    assert "the local refresher does not encode with the DupMAE poolings" in failed.stderr
+    publish_bm25(cfg, ts, RunLayout(run).negatives)
+    checkpoint = fake_checkpoint(run, 4, encoder)
+    dim = 128 + ts.special.vocab_size  # the tiny preset's H, then |V|
+    monkeypatch.setattr(stages, "SHARD_BYTES", 4 * dim * 15)
+    manifest = refresher.refresh_once(cfg, ts, checkpoint, 1, stages.Group(60))
+    shards = manifest["embedding_shards"]
+    assert (shards["shards"], shards["shard_rows"], shards["dim"]) == (3, 15, dim)
+
+    passages = _plain_dupmae_vectors(encoder, ts.corpus, ts.passage_rows, ts.special, 16)
+    queries = _plain_dupmae_vectors(encoder, ts.queries, ts.query_rows, ts.special, 16)
+    assert passages.shape == (ts.num_passages, dim)
+    scores = queries @ passages.T
+    mined = handoff.load_version(RunLayout(run).negatives, 1)
+    for q in range(ts.num_queries):
+        ranked = [int(p) for p in np.argsort(-scores[q], kind="stable")[:10]]
+        want = [p for p in ranked if p not in set(ts.positives[q].tolist())][:3]
+        assert sorted(mined.of(q).tolist()) == sorted(want), q
+
+
+@pytest.mark.slow
+def test_finetuning_with_a_dupmae_pooling_mines_ance_negatives_with_it(tmp_path, dupmae_run):
+    """``--refresher local`` with ``--model.pooling dupmae_bow``: the refresher mines v1
+    from the step-0 checkpoint with that pooling (|V| entries a vector) before step 1, and
+    training goes on to its last step."""
+    from retromae_ds.ance import handoff
+    from retromae_ds.components.layout import RunLayout
+
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=30, num_queries=8)
+    run = tmp_path / "ft"
+    finetune(
+        run, "--data.beir", str(beir), "--model.init", str(dupmae_run),
+        "--model.pooling", "dupmae_bow", "--model.bow_topk", "32", "--refresher", "local",
+        "--negatives.mine_first", "true", "--negatives.refresh_every", "1",
+        "--data.q_max_len", "16", "--data.p_max_len", "32", "--micro_batch_size", "4",
+        "--negatives.n_hard", "1", "--refresh.mining.num_negatives", "3",
+        "--refresh.mining.top_k", "10", "--max_steps", "2", "--log_every", "1",
+    )  # fmt: skip
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["negatives_version"] >= 1 for r in rows)  # never BM25's v0
+    v1 = json.loads(handoff.manifest_file(RunLayout(run).negatives, 1).read_text())
+    assert (v1["source"], v1["step"]) == ("model", 0)
+    encoder = ckpt.latest_complete(run / "checkpoints") / "encoder"
+    vocab = json.loads((encoder / "config.json").read_text())["vocab_size"]
+    assert v1["embedding_shards"]["dim"] == vocab
 
 
 def test_periodic_eval_scores_the_dupmae_poolings_of_the_training_model(tmp_path, tokenizer_dir):

@@ -152,10 +152,10 @@ def test_the_local_refresher_exits_when_its_trainer_is_killed(tmp_path, assets):
 @pytest.fixture(scope="module")
 def bm25_run(tmp_path_factory, tokenizer_dir, assets) -> Path:
     """A run folder with prepared data and the BM25 version 0 (copied per test)."""
-    from test_ance import prepared_set
-
     from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+
+    from helpers_ance import prepared_set
 
     run = tmp_path_factory.mktemp("guard_bm25") / "run"
     ts = ance_data.load(prepared_set(run / "data", assets.beir, tokenizer_dir))
@@ -241,7 +241,7 @@ def test_a_refresher_exits_when_the_process_it_serves_is_gone(tmp_path, bm25_run
 # --------------------------------------------------------------------------- defect 7
 @pytest.mark.slow
 def test_refresh_on_a_finished_run_mines_what_is_new_then_exits(tmp_path, bm25_run, assets):
-    from test_ance import fake_checkpoint
+    from helpers_ance import fake_checkpoint
 
     run = _copy(bm25_run, tmp_path)
     layout = RunLayout(run)
@@ -275,7 +275,7 @@ def test_refresh_on_a_finished_run_mines_what_is_new_then_exits(tmp_path, bm25_r
 def test_refresh_refuses_a_data_folder_that_is_not_the_runs(
     tmp_path, bm25_run, assets, tokenizer_dir
 ):
-    from test_ance import fake_checkpoint, prepared_set
+    from helpers_ance import fake_checkpoint, prepared_set
 
     run = _copy(bm25_run, tmp_path)
     fake_checkpoint(run, 5, assets.encoder)

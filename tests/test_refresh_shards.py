@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers_disk import fill, small_disk
-from test_ance import _refresh_cmd, fake_checkpoint, prepared_set
 
 from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
@@ -25,7 +24,15 @@ from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.embed_shards import Shard, ShardRows
 from retromae_ds.components.layout import RunLayout
 
-from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
+from helpers_ance import (
+    ENV,
+    fake_checkpoint,
+    load_current,
+    prepared_set,
+    refresh_cmd,
+    write_synthetic_beir,
+    write_tiny_encoder,
+)
 
 SHARD_ROWS = 16
 MINING = ("--mining.strategy", "top", "--max_score_ratio", "0.97", "--max_versions", "1")
@@ -179,7 +186,7 @@ def test_shards_split_the_corpus_and_their_summary_is_in_the_manifest(clean, ass
     shards = -(-n // SHARD_ROWS)
     assert shards >= 4
     assert clean.manifest["embedding_shards"] == {
-        "shards": shards, "shard_rows": SHARD_ROWS, "dtype": "float32",
+        "shards": shards, "shard_rows": SHARD_ROWS, "dim": 32, "dtype": "float32",
         "encoded": shards, "cached": 0, "resumed": 0, "redone": 0,
     }  # fmt: skip
     assert clean.manifest["embedding_cache"] == {"passages": "off", "queries": "off"}
@@ -330,7 +337,7 @@ def test_a_flipped_bit_in_the_embedding_cache_is_a_miss_never_searched(tmp_path,
 def _cli_run(assets: SimpleNamespace, run: Path) -> list[str]:
     """A run folder (BM25's v0, a step-4 checkpoint) and the command-line refresher for it."""
     _new_run(assets, run)
-    return _refresh_cmd(
+    return refresh_cmd(
         run, *MINING, "--data_dir", str(assets.data), "--shard_rows", str(SHARD_ROWS)
     )
 

@@ -34,10 +34,10 @@ def _content(num_queries: int, seed: int) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def bm25_run(tmp_path_factory, tokenizer_dir) -> tuple[Path, ance_data.TrainingSet]:
     """A run folder with prepared data and the BM25 version 0 (copied per test)."""
-    from test_ance import prepared_set  # the same prepared folder as the refresher tests
-
     from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+
+    from helpers_ance import prepared_set  # the same prepared folder as the refresher tests
 
     base = tmp_path_factory.mktemp("bm25_run")
     run = base / "run"
@@ -165,7 +165,7 @@ def test_waiting_for_mined_negatives_reports_a_bad_pointer_once(tmp_path):
 # --------------------------------------------------------------------------- the refresher
 @pytest.mark.slow
 def test_refresher_recovers_from_a_corrupted_pointer(bm25_run, tmp_path, tokenizer_dir):
-    from test_ance import _refresh_cmd, fake_checkpoint
+    from helpers_ance import fake_checkpoint, refresh_cmd
 
     run, ts = _copy_run(bm25_run, tmp_path)
     root = RunLayout(run).negatives
@@ -174,7 +174,7 @@ def test_refresher_recovers_from_a_corrupted_pointer(bm25_run, tmp_path, tokeniz
     (root / handoff.POINTER).write_text("{garbage")
 
     done = subprocess.run(
-        _refresh_cmd(run, "--max_versions", "1", "--idle_timeout_s", "60"),
+        refresh_cmd(run, "--max_versions", "1", "--idle_timeout_s", "60"),
         env=ENV,
         capture_output=True,
         text=True,

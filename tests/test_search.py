@@ -239,11 +239,11 @@ def test_refresher_mines_through_an_approximate_index(tmp_path, tokenizer_dir):
     search mines, with ``hnsw`` it publishes a version too (each manifest says what the
     index resolved to), and a setting the corpus cannot satisfy stops it, naming the setting,
     before anything is encoded."""
-    from test_ance import fake_checkpoint, prepared_set
-
     from retromae_ds.ance import refresher, stages
     from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+
+    from helpers_ance import fake_checkpoint, prepared_set
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=240)
     data = prepared_set(tmp_path / "data", beir, tokenizer_dir)

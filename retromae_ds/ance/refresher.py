@@ -331,7 +331,8 @@ def _shard_summary(
     totals = {name: sum(rank["counts"][name] for rank in report) for name in report[0]["counts"]}
     return {
         "shards": len(job.shards()),
-        "shard_rows": cfg.shard_rows,
+        "shard_rows": job.shard_rows(),
+        "dim": job.dim,
         "dtype": cfg.embedding_dtype,
         **totals,
     }

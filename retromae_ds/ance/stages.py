@@ -22,6 +22,7 @@ starts (``retromae_ds.ance.refresher`` runs them for every new checkpoint):
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 import sys
@@ -41,13 +42,14 @@ from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
 from retromae_ds.ance.embed_shards import PASSAGES, Shard, ShardRows
 from retromae_ds.ance.mining import positive_scores
-from retromae_ds.ance.model import load_body
+from retromae_ds.ance.model import load_tower
 from retromae_ds.ance.publish import Ranking
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
 from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
+from retromae_ds.modeling.bow import bow_vectors
 from retromae_ds.special_tokens import SpecialIds
 
 if TYPE_CHECKING:
@@ -64,16 +66,24 @@ def encode_rows(
     pooling: str,
     normalize: bool,
     batch_size: int,
+    bow_topk: int = sbert.DEFAULT_BOW_TOPK,
     amp_dtype: torch.dtype | None = None,
     desc: str = "encode",
     progress: bool = True,
 ) -> np.ndarray:
     """Embeddings float32 ``[len(rows), D]`` of shard rows (``[CLS] row [SEP]``), in order.
+    The DupMAE poolings read ``model``'s MLM head (``load_tower(..., head=True)``): D is
+    ``sbert.embedding_dim``, the ordinary-token vector keeping ``bow_topk`` entries.
 
     Rows are taken in windows of 64 batches, each sorted by length so padding stays small.
     """
     device = next(model.parameters()).device
-    out = np.empty((len(rows), model.config.hidden_size), dtype=np.float32)
+    head = pooling in sbert.HEAD_POOLINGS
+    body = model.base_model if head else model
+    config = model.config
+    dim = sbert.embedding_dim(pooling, config.hidden_size, config.vocab_size)
+    special_ids = torch.tensor(sorted(special.all), dtype=torch.long)
+    out = np.empty((len(rows), dim), dtype=np.float32)
     was_training = model.training
     model.eval()
     window = batch_size * 64
@@ -88,9 +98,12 @@ def encode_rows(
                 sel = order[b0 : b0 + batch_size]
                 ids, mask = ance_data.token_batch(ds, chunk[sel], special)
                 ids, mask = ids.to(device), mask.to(device)
+                bow = None
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
-                emb = pool(hidden, mask, pooling).float()
+                    hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
+                    if head:
+                        bow = bow_vectors(model, hidden, ids, mask, special_ids, bow_topk)
+                emb = pool(hidden, mask, pooling, bow).float()
                 if normalize:
                     emb = torch.nn.functional.normalize(emb, dim=-1)
                 out[w0 + sel] = emb.cpu().numpy()
@@ -194,6 +207,10 @@ QUERY_BATCH = 4096
 """Queries searched (and their top-K merged) at a time."""
 MAX_ENCODE_ROUNDS = 3
 """Encode → verify rounds before shards that keep failing their checksums stop the refresh."""
+SHARD_BYTES = 256 * 2**20
+"""Most float32 embedding bytes one passage shard holds: ``refresh.shard_rows`` (65,536 ×
+768 dims: 192 MiB) is lowered to fit where the vectors are wider (DupMAE's, the vocabulary's
+size: 2,189 passages a shard at |V| 30,522 + 128)."""
 
 
 @dataclass
@@ -241,9 +258,25 @@ class Job:
     def part(self, name: str, rank: int | None = None) -> Path:
         return self.work / f"{name}_rank{self.group.rank if rank is None else rank:05d}"
 
+    @functools.cached_property
+    def spec(self) -> sbert.EmbeddingSpec:
+        """How the checkpoint's passage encoder pools (its sentence-transformers files)."""
+        return sbert.read_spec(self.checkpoint / ENCODER)
+
+    @functools.cached_property
+    def dim(self) -> int:
+        """Entries of one embedding: the hidden size, or DupMAE's vocabulary-sized vectors."""
+        config = read_json(self.checkpoint / ENCODER / "config.json")
+        return sbert.embedding_dim(self.spec.pooling, config["hidden_size"], config["vocab_size"])
+
+    def shard_rows(self) -> int:
+        """Passages per shard: ``refresh.shard_rows``, fewer where a shard of float32
+        embeddings would pass ``SHARD_BYTES`` (DupMAE's vectors)."""
+        return max(1, min(self.cfg.shard_rows, SHARD_BYTES // (4 * self.dim)))
+
     def shards(self) -> list[Shard]:
-        """Every passage shard of this version (``refresh.shard_rows`` each)."""
-        return embed_shards.layout(self.work / PASSAGES, self.num_encoded(), self.cfg.shard_rows)
+        """Every passage shard of this version (``shard_rows()`` each)."""
+        return embed_shards.layout(self.work / PASSAGES, self.num_encoded(), self.shard_rows())
 
     def my_shards(self) -> list[Shard]:
         """This rank's contiguous run of shards (the first ranks get the longer runs, so
@@ -286,10 +319,13 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
     t0 = time.perf_counter()
     device = pick_device(cfg, group.local_rank)
     encoder_dir = job.checkpoint / ENCODER
-    spec = sbert.read_spec(encoder_dir)
-    passage_model = load_body(encoder_dir).to(device)
+    spec = job.spec
+    head = spec.pooling in sbert.HEAD_POOLINGS  # DupMAE: the MLM head pools
+    passage_model = load_tower(encoder_dir, head=head).to(device)
     query_dir = job.checkpoint / QUERY_ENCODER
-    query_model = load_body(query_dir).to(device) if query_dir.is_dir() else passage_model
+    query_model = (
+        load_tower(query_dir, head=head).to(device) if query_dir.is_dir() else passage_model
+    )
     use_bf16 = cfg.bf16 and (device.type == "cuda" or cfg.bf16_cpu)
     amp = torch.bfloat16 if use_bf16 else None
     timings["load_s"] = time.perf_counter() - t0
@@ -297,6 +333,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
         pooling=spec.pooling,
         normalize=spec.normalize,
         batch_size=cfg.batch_size,
+        bow_topk=spec.bow_topk,
         amp_dtype=amp,
         progress=cfg.progress,
     )
@@ -305,12 +342,13 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
         print(
             f"refresh: v{job.version} from {job.checkpoint.name} (step {job.step}): encoding "
             f"{_what_passages(job)} ({len(job.shards())} shard(s) of up to "
-            f"{cfg.shard_rows}, {cfg.embedding_dtype}) on {group.world} rank(s)",
+            f"{job.shard_rows()}, {cfg.embedding_dtype}, {job.dim} entries) on {group.world} "
+            "rank(s)",
             file=sys.stderr,
             flush=True,
         )
     qlo, qhi = split(ts.num_queries, group.world, group.rank)
-    dim = passage_model.config.hidden_size
+    dim = job.dim
     if shards and job.passages is None:  # bad settings: before encoding
         index_choice(cfg, sum(shard.rows for shard in shards), dim)
     t0 = time.perf_counter()
@@ -319,6 +357,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
         "encoder": passage_digest,
         "corpus": embed_shards.corpus_digest(ts.fingerprint()),
         "pooling": spec.pooling,
+        **({"bow_topk": spec.bow_topk} if head else {}),
         "normalize": spec.normalize,
         "autocast": str(amp),
         "device": device.type,
@@ -331,6 +370,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
     base = {
         "data": ts.fingerprint(),
         "pooling": spec.pooling,
+        **({"bow_topk": spec.bow_topk} if head else {}),
         "normalize": spec.normalize,
         "autocast": str(amp),
         "device": device.type,
@@ -343,7 +383,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
         in the cache on a miss; the array in the dtype ``key`` names (float32 by default)."""
         dtype = key.get("dtype", "float32")
         digest = cache.key(key) if cache.enabled else ""
-        found = cache.load(digest, (len(rows), model.config.hidden_size), dtype) if digest else None
+        found = cache.load(digest, (len(rows), dim), dtype) if digest else None
         if found is not None:
             return found, "hit"
         out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)

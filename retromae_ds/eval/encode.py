@@ -173,8 +173,7 @@ class HFEncoder:
     def dim_of(self, pooling: str) -> int:
         """Entries of one embedding with ``pooling``."""
         config = self.model.config
-        hidden, vocab = int(config.hidden_size), int(config.vocab_size)
-        return {"dupmae_bow": vocab, "dupmae": hidden + vocab}.get(pooling, hidden)
+        return sbert.embedding_dim(pooling, int(config.hidden_size), int(config.vocab_size))
 
     @property
     def dim(self) -> int:
