@@ -55,7 +55,7 @@ def bench_encoding(args, scratch: Path) -> list[common.Measurement]:
     rows = ts.passage_rows[: args.passages]
     ids, texts = load_corpus(beir / "corpus.jsonl")
     text_of = dict(zip(ids, texts, strict=True))
-    passage_texts = [text_of[d] for d in ts.passage_ids[: args.passages]]
+    passage_texts = [text_of[d] for d in ts.passage_ids[: args.passages].to_pylist()]
     torch.set_num_threads(os.cpu_count() or 1)
     body = load_body(model_dir)
     hf = HFEncoder.from_dir(

@@ -170,8 +170,8 @@ def peer_rows(run: Path, prepared: Path, beir: Path, path: Path) -> int:
     queries = load_queries(beir / "queries.jsonl")
     with open(path, "w") as f:
         for q, qid in enumerate(ts.query_ids):
-            pos = ts.passage_ids[int(ts.positives[q][0])]
-            neg = ts.passage_ids[int(negatives.of(q)[0])]
+            pos = ts.passage_ids[int(ts.positives[q][0])].as_py()
+            neg = ts.passage_ids[int(negatives.of(q)[0])].as_py()
             row = {"anchor": queries[qid], "positive": text_of[pos], "negative": text_of[neg]}
             f.write(json.dumps(row) + "\n")
     return ts.num_queries

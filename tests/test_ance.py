@@ -191,7 +191,10 @@ def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
     text_of = dict(zip(ids, texts, strict=True))
     queries = load_queries(beir / "queries.jsonl")
     ranked = bm25_rankings(
-        [text_of[d] for d in ts.passage_ids], [queries[q] for q in ts.query_ids], 5, progress=False
+        [text_of[d] for d in ts.passage_ids.to_pylist()],
+        [queries[q] for q in ts.query_ids],
+        5,
+        progress=False,
     )
     top_is_positive = [ranked[q, 0] in ts.positives[q] for q in range(ts.num_queries)]
     assert sum(top_is_positive) > ts.num_queries // 2

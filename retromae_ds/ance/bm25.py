@@ -47,7 +47,7 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
     queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
     from retromae_ds.eval.lexical import choose_analyzer
 
-    passages = [text_of[d] for d in ts.passage_ids]
+    passages = [text_of[d] for d in ts.passage_ids.to_pylist()]
     # refresh.mode pool: the top K' are kept as this version's candidate pool
     pool_k = pool_width(cfg) if cfg.mode == "pool" else 0
     ranked = bm25_rankings(
