@@ -1,5 +1,5 @@
 """The refresher at corpus scale (issue 43): peak resident memory and time of its encode,
-verify and search stages against the number of passages. The claim: encoding's memory is
+verify, search and merge-mine-publish stages against the number of passages. The claim: encoding's memory is
 flat in the corpus size (one embedding shard in memory at a time), and so is the exact
 search's (one memory-mapped shard at a time, plus what grows with the queries).
 
@@ -18,7 +18,8 @@ For each N:
   passages on 2 cores; or any Hugging Face encoder folder (its own tokenizer);
 - a fake complete checkpoint around it, and in a fresh process the refresher's stages as
   ``refresher.refresh_once`` runs them (``stages.encode_stage``, ``verify_stage``,
-  ``search_stage``; ``refresh.index`` auto, which is exact search below 200,000 passages a
+  ``search_stage``, then ``merge_stage`` and ``publish.mine_and_publish``: version 1
+  published and read back; ``refresh.index`` auto, which is exact search below 200,000 passages a
   rank, so ``--index flat`` keeps the 1M row exact), one rank, ``--threads`` torch threads.
 
 Reported per stage: seconds and peak RSS (Linux ``VmHWM``, reset through
@@ -153,7 +154,8 @@ def child(args) -> None:
     import torch
 
     from retromae_ds.ance import data as ance_data
-    from retromae_ds.ance import stages
+    from retromae_ds.ance import handoff, stages
+    from retromae_ds.ance.publish import mine_and_publish
     from retromae_ds.ance.refresh_config import RefreshConfig
 
     torch.set_num_threads(args.threads)
@@ -187,6 +189,24 @@ def child(args) -> None:
         stages.search_stage(job, queries, shards)
         row["search_s"], row["search_peak"] = time.perf_counter() - t0, _status("VmHWM")
     row["search_anon_peak"], row["search_file_peak"] = peaks.peaks.values()
+    with PeakSampler() as peaks:  # rank 0's tail of refresh_once: merge, mine, publish
+        t0 = time.perf_counter()
+        ranking = stages.merge_stage(job).head(cfg.mining.top_k)
+        manifest, _ = mine_and_publish(
+            root, 1, ranking, ts, cfg.mining, seed=cfg.mining.seed + 1, keep_last=0, step=1,
+            source={"source": "model", "checkpoint": checkpoint.name}, timings=job.timings,
+        )  # fmt: skip
+        row["publish_s"], row["publish_peak"] = time.perf_counter() - t0, _status("VmHWM")
+    row["publish_anon_peak"], row["publish_file_peak"] = peaks.peaks.values()
+    published = handoff.load_version(root, 1)
+    row["published"] = {
+        "version": published.version,
+        "queries": published.num_queries,
+        "negatives": int(len(published.values)),
+        "bytes": manifest["bytes"],
+    }
+    row["process_peak"] = max(row[k] for k in ("encode_peak", "verify_peak", "search_peak",
+                                               "publish_peak"))  # fmt: skip
     row["dim"] = int(queries.shape[1])
     row["shards"] = len(shards)
     row["shard_bytes"] = sum(s.npy.stat().st_size for s in shards)
@@ -270,7 +290,8 @@ def main() -> None:
     common.print_table(
         ["passages", "shards", "RSS before (anon + file)", "encode peak (anon + file)",
          "encode s", "passages/s", "verify peak", "search peak (anon + file)", "search s",
-         "index", "N×D×4"],
+         "index", "merge + mine + publish s", "its peak (anon + file)", "process peak",
+         "N×D×4"],
         [
             [f"{r['passages']:,}", r["shards"],
              f"{r['rss_before'] / mib:.0f} ({r['anon_before'] / mib:.0f} + {r['file_before'] / mib:.0f}) MiB",
@@ -278,7 +299,9 @@ def main() -> None:
              f"{r['encode_s']:.0f}", f"{r['passages'] / r['encode_s']:,.0f}",
              f"{r['verify_peak'] / mib:.0f} MiB",
              f"{r['search_peak'] / mib:.0f} ({r['search_anon_peak'] / mib:.0f} + {r['search_file_peak'] / mib:.0f}) MiB",
-             f"{r['search_s']:.1f}", r["index"], f"{r['whole_matrix_bytes'] / mib:.0f} MiB"]
+             f"{r['search_s']:.1f}", r["index"], f"{r['publish_s']:.1f}",
+             f"{r['publish_peak'] / mib:.0f} ({r['publish_anon_peak'] / mib:.0f} + {r['publish_file_peak'] / mib:.0f}) MiB",
+             f"{r['process_peak'] / mib:.0f} MiB", f"{r['whole_matrix_bytes'] / mib:.0f} MiB"]
             for r in rows
         ],
     )  # fmt: skip
