@@ -49,14 +49,15 @@ def _as_checkpoint(folder: Path, work: Path, step: int, name: str) -> Path:
     """``folder`` when it is a complete trainer checkpoint, else an encoder folder copied
     into a fake one at ``step`` (marker + ``encoder/``)."""
     from retromae_ds.components import checkpoint as ckpt
+    from retromae_ds.components.layout import step_tag
 
-    if (folder / ckpt.MARKER).is_file():
+    if (folder / ckpt.COMPLETE).is_file():
         return folder
-    out = work / name / ckpt.tag_for(step)
-    if not (out / ckpt.MARKER).is_file():
+    out = work / name / step_tag(step)
+    if not (out / ckpt.COMPLETE).is_file():
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(folder, out / "encoder")
-        (out / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
+        (out / ckpt.COMPLETE).write_text(json.dumps({"step": step, "world_size": 1}))
     return out
 
 

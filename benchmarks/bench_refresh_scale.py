@@ -99,12 +99,13 @@ def fake_run(run: Path, encoder: Path) -> Path:
     import shutil
 
     from retromae_ds.components import checkpoint as ckpt
+    from retromae_ds.components.layout import step_tag
 
-    folder = run / "checkpoints" / ckpt.tag_for(1)
-    if not (folder / ckpt.MARKER).is_file():
+    folder = run / "checkpoints" / step_tag(1)
+    if not (folder / ckpt.COMPLETE).is_file():
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(encoder, folder / "encoder")
-        (folder / ckpt.MARKER).write_text(json.dumps({"step": 1, "world_size": 1}))
+        (folder / ckpt.COMPLETE).write_text(json.dumps({"step": 1, "world_size": 1}))
     return folder
 
 

@@ -42,7 +42,7 @@
 #SBATCH --open-mode=append
 set -uo pipefail
 
-EXIT_REQUEUE=85 # retromae_ds.pretrain.EXIT_REQUEUE
+EXIT_REQUEUE=85 # retromae_ds.components.signals.EXIT_REQUEUE
 
 CONFIG=${CONFIG:-}
 RUN_DIR=${RUN_DIR:-}

@@ -33,7 +33,7 @@
 # Stop and requeue protocol: Slurm sends USR1 to this batch shell (--signal=B:USR1@lead, or
 # `scancel --signal=USR1 --batch JOBID`); the shell forwards USR1 to srun, which delivers it
 # to every process of the step. The trainer finishes the current step on all ranks, writes a
-# complete checkpoint and exits 85 (retromae_ds.pretrain.EXIT_REQUEUE); on 85 this script runs
+# complete checkpoint and exits 85 (retromae_ds.components.signals.EXIT_REQUEUE); on 85 this script runs
 # `scontrol requeue`, and the requeued job resumes from the checkpoint (--resume auto).
 # Any other non-zero status fails the job: srun --kill-on-bad-exit=1 ends every rank when one
 # dies, and --deepspeed.timeout_s bounds a collective waiting for a dead peer.
@@ -44,7 +44,7 @@
 #SBATCH --open-mode=append
 set -uo pipefail
 
-EXIT_REQUEUE=85 # retromae_ds.pretrain.EXIT_REQUEUE
+EXIT_REQUEUE=85 # retromae_ds.components.signals.EXIT_REQUEUE
 
 CONFIG=${CONFIG:-}
 RUN_DIR=${RUN_DIR:-}

@@ -145,10 +145,11 @@ def prepared_set(root: Path, beir: Path, tokenizer_dir: Path) -> Path:
 def fake_checkpoint(run_dir: Path, step: int, encoder_dir: Path) -> Path:
     """A complete trainer checkpoint as the refresher sees one: marker + encoder folder."""
     from retromae_ds.components import checkpoint as ckpt
+    from retromae_ds.components.layout import step_tag
 
-    folder = run_dir / "checkpoints" / ckpt.tag_for(step)
+    folder = run_dir / "checkpoints" / step_tag(step)
     shutil.copytree(encoder_dir, folder / "encoder")
-    (folder / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
+    (folder / ckpt.COMPLETE).write_text(json.dumps({"step": step, "world_size": 1}))
     return folder
 
 

@@ -23,10 +23,11 @@ from helpers_train import synthetic_shards as make_shards
 from retromae_ds import export as export_mod
 from retromae_ds.cli import main
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import step_tag
 
 from helpers_ance import write_synthetic_beir
 
-STEP2, STEP4 = ckpt.tag_for(2), ckpt.tag_for(4)
+STEP2, STEP4 = step_tag(2), step_tag(4)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +203,7 @@ def test_finetune_verifies_its_init_checkpoint(run, beir, tmp_path):
     assert good.returncode == 0, good.stderr[-3000:]
     fallback = [line for line in good.stderr.splitlines() if "verifies" in line]
     assert fallback and STEP2 in fallback[-1], good.stderr[-3000:]
-    assert (tmp_path / "ft" / "checkpoints" / ckpt.tag_for(1) / "COMPLETE").is_file()
+    assert (tmp_path / "ft" / "checkpoints" / step_tag(1) / "COMPLETE").is_file()
 
 
 def test_continued_pretraining_verifies_its_start_checkpoint(run, shards, tmp_path):
@@ -234,7 +235,7 @@ def _prune_during_export(monkeypatch, run: Path) -> list[int]:
         root = run / "checkpoints"
         if len(calls) == 1:
             newest = ckpt.latest_complete(root)
-            step6 = root / ckpt.tag_for(6)
+            step6 = root / step_tag(6)
             shutil.copytree(newest, step6)
             marker = {**ckpt.read_marker(step6), "step": 6}
             (step6 / "COMPLETE").write_text(json.dumps(marker))
@@ -253,7 +254,7 @@ def test_export_retries_on_the_newest_when_the_run_prunes_its_checkpoint(
     assert calls == [4, 6]
     assert json.loads((out / "export.json").read_text())["step"] == 6
     err = capsys.readouterr().err
-    assert STEP4 in err and "removed" in err and ckpt.tag_for(6) in err, err
+    assert STEP4 in err and "removed" in err and step_tag(6) in err, err
     from transformers import AutoModel
 
     AutoModel.from_pretrained(out)

@@ -27,6 +27,7 @@ import torch
 from retromae_ds import sbert
 from retromae_ds.cli import main
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import step_tag
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 
@@ -45,7 +46,7 @@ def error_lines(stderr: str) -> list[str]:
 
 def make_checkpoint(run: Path, model_dir: Path, step: int) -> Path:
     """A complete checkpoint in the real layout, its record listing every file's hash."""
-    checkpoint = run / "checkpoints" / ckpt.tag_for(step)
+    checkpoint = run / "checkpoints" / step_tag(step)
     shutil.copytree(model_dir, checkpoint / "encoder")
     record = {"step": step, "world_size": 1, "files": ckpt.file_records(checkpoint)}
     (checkpoint / "COMPLETE").write_text(json.dumps(record))
@@ -205,7 +206,7 @@ def _prune_after_resolving(monkeypatch, run: Path) -> list[str]:
         resolved.append(found.name)
         if len(resolved) == 1:
             root = run / "checkpoints"
-            step6 = root / ckpt.tag_for(6)
+            step6 = root / step_tag(6)
             shutil.copytree(found, step6)
             record = {**ckpt.read_marker(step6), "step": 6}
             (step6 / "COMPLETE").write_text(json.dumps(record))
@@ -227,11 +228,11 @@ def test_eval_of_a_run_goes_on_with_the_newest_when_the_run_prunes_its_checkpoin
     code = main(["eval", "--model", str(run), "--beir", str(beir), *EVAL, "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 0, err
-    assert resolved[:2] == [ckpt.tag_for(4), ckpt.tag_for(6)], resolved
+    assert resolved[:2] == [step_tag(4), step_tag(6)], resolved
     result = json.loads(out.read_text())
-    assert result["encoder_dir"] == str(run / "checkpoints" / ckpt.tag_for(6) / "encoder")
+    assert result["encoder_dir"] == str(run / "checkpoints" / step_tag(6) / "encoder")
     said = [line for line in err.splitlines() if "removed" in line]
-    assert len(said) == 1 and ckpt.tag_for(4) in said[0] and ckpt.tag_for(6) in said[0], err
+    assert len(said) == 1 and step_tag(4) in said[0] and step_tag(6) in said[0], err
 
 
 def test_eval_of_a_named_checkpoint_that_is_pruned_says_so(

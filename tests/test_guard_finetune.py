@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import step_tag
 from retromae_ds.components.signals import EXIT_REQUEUE
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
@@ -113,8 +114,8 @@ def test_the_wait_for_mined_negatives_reports_and_ends_on_a_stop_signal(inputs, 
     waits = [line for line in log.splitlines() if "waiting for" in line]
     assert all("v0" in w and str(run / "negatives") in w and "external" in w for w in waits), waits
     stopped = [line for line in log.splitlines() if stop.name in line]
-    assert len(stopped) == 1 and ckpt.tag_for(0) in stopped[0], log[-3000:]
-    assert [p.name for p in ckpt.complete_checkpoints(run / "checkpoints")] == [ckpt.tag_for(0)]
+    assert len(stopped) == 1 and step_tag(0) in stopped[0], log[-3000:]
+    assert [p.name for p in ckpt.complete_checkpoints(run / "checkpoints")] == [step_tag(0)]
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text()
 
 

@@ -19,7 +19,7 @@ from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds import faults
 from retromae_ds.components import checkpoint as ckpt
-from retromae_ds.components.layout import RunLayout
+from retromae_ds.components.layout import RunLayout, step_tag
 
 EVERY_2 = ("--log_every", "1", "--checkpoint.every_steps", "2")
 
@@ -60,13 +60,13 @@ def test_a_fallback_sets_the_corrupt_checkpoint_aside_and_saves_the_retrained_st
     ``*.corrupt``, with one line saying so."""
     run = tmp_path / "run"
     pretrain(run, shards, "--max_steps", "4", *EVERY_2)
-    step4 = run / "checkpoints" / ckpt.tag_for(4)
+    step4 = run / "checkpoints" / step_tag(4)
     victim = _optimizer_file(step4)
     _flip(victim)
     damaged = _tree(step4)
 
     again = pretrain(run, shards, "--max_steps", "4", *EVERY_2)
-    aside = run / "checkpoints" / f"{ckpt.tag_for(4)}.corrupt"
+    aside = run / "checkpoints" / f"{step_tag(4)}.corrupt"
     notes = [line for line in again.stderr.splitlines() if str(aside.name) in line]
     assert len(notes) == 1 and victim.name in notes[0], again.stderr[-3000:]
     assert _tree(aside) == damaged  # set aside as it was, not deleted
@@ -85,8 +85,8 @@ def test_an_unparseable_complete_record_is_a_corrupt_checkpoint(tmp_path, shards
     name", no file named)."""
     run = tmp_path / "run"
     pretrain(run, shards, "--max_steps", "4", *EVERY_2)
-    step4 = run / "checkpoints" / ckpt.tag_for(4)
-    record = step4 / ckpt.MARKER
+    step4 = run / "checkpoints" / step_tag(4)
+    record = step4 / ckpt.COMPLETE
     record.write_text(record.read_text()[:40])
 
     again = pretrain(run, shards, "--max_steps", "4", *EVERY_2, check=False)
@@ -94,11 +94,11 @@ def test_an_unparseable_complete_record_is_a_corrupt_checkpoint(tmp_path, shards
     assert "Traceback" not in again.stderr
     named = [line for line in again.stderr.splitlines() if str(record) in line]
     assert len(named) == 1 and "set aside" in named[0], again.stderr[-3000:]
-    assert (run / "checkpoints" / f"{ckpt.tag_for(4)}.corrupt" / ckpt.MARKER).is_file()
+    assert (run / "checkpoints" / f"{step_tag(4)}.corrupt" / ckpt.COMPLETE).is_file()
     ckpt.verify(step4)
     assert ckpt.read_marker(step4)["step"] == 4
     with pytest.raises(ckpt.CheckpointCorrupt, match="COMPLETE"):
-        ckpt.read_marker(run / "checkpoints" / f"{ckpt.tag_for(4)}.corrupt")
+        ckpt.read_marker(run / "checkpoints" / f"{step_tag(4)}.corrupt")
 
 
 @pytest.mark.slow
@@ -109,7 +109,7 @@ def test_a_run_whose_only_checkpoint_is_corrupt_is_not_started_over_silently(tmp
     run = tmp_path / "run"
     common = ("--max_steps", "2", "--log_every", "1", "--checkpoint.keep_last", "1")
     pretrain(run, shards, *common)
-    step2 = run / "checkpoints" / ckpt.tag_for(2)
+    step2 = run / "checkpoints" / step_tag(2)
     _flip(_optimizer_file(step2))
     before = _tree(run / "checkpoints")
     rows = metrics(run)
@@ -141,14 +141,14 @@ def test_resume_sets_aside_every_newer_folder_and_refuses_when_none_verifies(tmp
         (staging / "weights.bin").write_bytes(bytes(range(200)) * step)
         ckpt.publish(staging, layout.checkpoint(step), {"step": step, "world_size": 1}, 0)
     _flip(layout.checkpoint(8) / "weights.bin")
-    (layout.checkpoint(6) / ckpt.MARKER).unlink()
+    (layout.checkpoint(6) / ckpt.COMPLETE).unlink()
     lines: list[str] = []
     chosen = ckpt.resolve_resume("auto", layout.root, log=lines.append)
     assert chosen == layout.checkpoint(4)
     assert sorted(p.name for p in layout.checkpoints.iterdir()) == [
         "step_00000002", "step_00000004", "step_00000006.corrupt", "step_00000008.corrupt"]  # fmt: skip
     assert any("step_00000008.corrupt" in x and "weights.bin" in x for x in lines), lines
-    assert any("step_00000006.corrupt" in x and ckpt.MARKER in x for x in lines), lines
+    assert any("step_00000006.corrupt" in x and ckpt.COMPLETE in x for x in lines), lines
 
     lines.clear()
     assert ckpt.resolve_resume(str(layout.checkpoint(2)), layout.root, log=lines.append)
@@ -167,10 +167,10 @@ def test_resume_sets_aside_every_newer_folder_and_refuses_when_none_verifies(tmp
 
 
 def test_an_unparseable_record_names_its_file(tmp_path):
-    folder = tmp_path / ckpt.tag_for(3)
+    folder = tmp_path / step_tag(3)
     folder.mkdir()
-    (folder / ckpt.MARKER).write_text('{"step": 3, ')
-    with pytest.raises(ckpt.CheckpointCorrupt, match=f"{folder / ckpt.MARKER}: unreadable"):
+    (folder / ckpt.COMPLETE).write_text('{"step": 3, ')
+    with pytest.raises(ckpt.CheckpointCorrupt, match=f"{folder / ckpt.COMPLETE}: unreadable"):
         ckpt.read_marker(folder)
 
 

@@ -28,6 +28,7 @@ from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes
 
 from retromae_ds import faults
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import step_tag
 from retromae_ds.components.signals import EXIT_REQUEUE
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
@@ -238,9 +239,9 @@ def test_signal_checkpoints_requeues_and_resumes_exactly(one_node, tmp_path, sha
     assert stopped, first[-3000:]
     step = int(stopped.group(1))
     assert 3 <= step < MAX_STEPS
-    assert (run / "checkpoints" / ckpt.tag_for(step) / ckpt.MARKER).is_file()
+    assert (run / "checkpoints" / step_tag(step) / ckpt.COMPLETE).is_file()
     second = (run / "logs" / f"job{job}.1" / "rank_0.log").read_text()
-    assert f"resumed from {run / 'checkpoints' / ckpt.tag_for(step)} at step {step}" in second
+    assert f"resumed from {run / 'checkpoints' / step_tag(step)} at step {step}" in second
     # every step once, and the losses after the requeue equal the uninterrupted run's
     assert compared(metrics(run)) == compared(metrics(reference["run"]))
     final = ckpt.latest_complete(run / "checkpoints")
@@ -474,7 +475,7 @@ def test_finetune_trainer_and_refresher_as_concurrent_steps(one_node, tmp_path, 
     for v in versions[1:]:
         step = manifests[v]["step"]
         assert step > 0 and step % FT_CKPT_EVERY == 0, manifests[v]
-        assert ckpt.read_marker(run / "checkpoints" / ckpt.tag_for(step))["step"] == step
+        assert ckpt.read_marker(run / "checkpoints" / step_tag(step))["step"] == step
 
     # the trainer swapped to a refresher version at a step boundary and trained on it
     rows = metrics(run)

@@ -15,6 +15,7 @@ from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds import faults
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components.layout import step_tag
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
 from synthetic import synthetic_texts
@@ -424,7 +425,7 @@ def test_encoder_frozen_steps_train_only_the_heads_first(tmp_path, synthetic_sha
     )  # fmt: skip
 
     def state(step: int) -> dict[str, torch.Tensor]:
-        path = run / "checkpoints" / ckpt.tag_for(step) / "mp_rank_00_model_states.pt"
+        path = run / "checkpoints" / step_tag(step) / "mp_rank_00_model_states.pt"
         return torch.load(path, weights_only=False)["module"]
 
     s1, s2, s3 = state(1), state(2), state(3)
@@ -501,7 +502,7 @@ def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
     whole = metrics(tmp_path / "whole")
     run = tmp_path / "run"
     pretrain(run, synthetic_shards, *common, "--stop_at_step", "6")
-    step6 = run / "checkpoints" / ckpt.tag_for(6)
+    step6 = run / "checkpoints" / step_tag(6)
     files = sorted(ckpt.read_marker(step6)["files"])
     victim = step6 / random.Random(len(files)).choice(files)
     data = bytearray(victim.read_bytes())
@@ -549,8 +550,8 @@ def test_a_step_folder_without_its_record_loses_to_the_new_checkpoint(
     run = tmp_path / "run"
     common = ["--max_steps", "4", "--log_every", "1", "--checkpoint.every_steps", "2"]
     pretrain(run, synthetic_shards, *common)
-    step4 = run / "checkpoints" / ckpt.tag_for(4)
-    (step4 / ckpt.MARKER).unlink()
+    step4 = run / "checkpoints" / step_tag(4)
+    (step4 / ckpt.COMPLETE).unlink()
     from retromae_ds.export import export_encoder
 
     export_encoder(run, tmp_path / "exported")  # step 2, and it says why not step 4

@@ -23,7 +23,7 @@ def _fake_checkpoint(run: Path, step: int) -> Path:
     folder = RunLayout(run).checkpoint(step)
     (folder / "encoder").mkdir(parents=True)
     (folder / "encoder" / "config.json").write_text("{}")
-    (folder / ckpt.MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
+    (folder / ckpt.COMPLETE).write_text(json.dumps({"step": step, "world_size": 1}))
     return folder
 
 

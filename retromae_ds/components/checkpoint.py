@@ -46,13 +46,10 @@ from retromae_ds.components.layout import (
     STEP_DIR,
     RunLayout,
     rank_state_file,
-    step_tag,
 )
 from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
 from retromae_ds.hfutil import quiet_transformers
 
-MARKER = COMPLETE
-tag_for = step_tag
 MODEL_FILES = (f"{ENCODER}/", f"{QUERY_ENCODER}/")
 """The files a consumer of a checkpoint's models reads (``verify``'s ``under``)."""
 
@@ -65,7 +62,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     found = []
     for path in root.iterdir():
         m = STEP_DIR.match(path.name)
-        if m and (path / MARKER).is_file():
+        if m and (path / COMPLETE).is_file():
             found.append((int(m.group(1)), path))
     return [p for _, p in sorted(found)]
 
@@ -76,7 +73,7 @@ def latest_complete(root: Path) -> Path | None:
 
 
 def is_checkpoint(path: Path) -> bool:
-    return (Path(path) / MARKER).is_file()
+    return (Path(path) / COMPLETE).is_file()
 
 
 def resolve_checkpoint(
@@ -185,8 +182,8 @@ def set_aside(folder: Path, why: str) -> Path:
 def _problem(checkpoint: Path) -> str | None:
     """Why a step folder is no checkpoint to resume from (no record, or a file or the record
     itself failing :func:`verify`), or None when it verifies."""
-    if not (checkpoint / MARKER).is_file():
-        return f"{checkpoint / MARKER}: missing (the folder lost its completion record)"
+    if not (checkpoint / COMPLETE).is_file():
+        return f"{checkpoint / COMPLETE}: missing (the folder lost its completion record)"
     try:
         verify(checkpoint)
     except CheckpointCorrupt as exc:
@@ -232,7 +229,7 @@ def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
         )
     path = Path(resume)
     if not is_checkpoint(path):
-        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {MARKER} marker)")
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
     verify(path)
     step = read_marker(path).get("step")
     if path.resolve().parent == root.resolve() and isinstance(step, int):
@@ -252,7 +249,7 @@ def _set_aside_newer(root: Path, step: int, log, what: str) -> None:
 def read_marker(ckpt: Path) -> dict[str, Any]:
     """A checkpoint's completion record; one that does not parse is a
     :class:`CheckpointCorrupt` naming the file."""
-    path = ckpt / MARKER
+    path = ckpt / COMPLETE
     data = path.read_bytes()
     try:
         record = json.loads(data)
@@ -273,7 +270,7 @@ def file_records(folder: Path) -> dict[str, dict[str, Any]]:
     records = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
-        if rel != MARKER:
+        if rel != COMPLETE:
             records[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     return records
 
@@ -288,18 +285,20 @@ def verify(ckpt: Path, under: str | tuple[str, ...] = "") -> None:
     except CheckpointCorrupt:
         raise
     except (OSError, ValueError) as exc:
-        raise CheckpointCorrupt(f"{ckpt / MARKER}: unreadable completion record ({exc})") from None
+        raise CheckpointCorrupt(
+            f"{ckpt / COMPLETE}: unreadable completion record ({exc})"
+        ) from None
     for rel, want in marker.get("files", {}).items():
         if not rel.startswith(under):
             continue
         path = ckpt / rel
         if not path.is_file():
-            raise CheckpointCorrupt(f"{path}: listed in {MARKER} but missing")
+            raise CheckpointCorrupt(f"{path}: listed in {COMPLETE} but missing")
         size = path.stat().st_size
         if size != want["bytes"]:
-            raise CheckpointCorrupt(f"{path}: {size} bytes, {MARKER} says {want['bytes']}")
+            raise CheckpointCorrupt(f"{path}: {size} bytes, {COMPLETE} says {want['bytes']}")
         if sha256_file(path) != want["sha256"]:
-            raise CheckpointCorrupt(f"{path}: sha256 differs from {MARKER} (corrupted)")
+            raise CheckpointCorrupt(f"{path}: sha256 differs from {COMPLETE} (corrupted)")
 
 
 _verified: dict[tuple[str, str | tuple[str, ...]], tuple] = {}
@@ -324,7 +323,7 @@ def _signature(ckpt: Path, under: str | tuple[str, ...]) -> tuple | None:
     cannot be read (then :func:`verify` says what is wrong)."""
     try:
         files = read_marker(ckpt).get("files", {})
-        paths = [ckpt / MARKER, *(ckpt / rel for rel in sorted(files) if rel.startswith(under))]
+        paths = [ckpt / COMPLETE, *(ckpt / rel for rel in sorted(files) if rel.startswith(under))]
         stats = [p.stat() for p in paths]
     except (OSError, ValueError, AttributeError):
         return None
@@ -378,7 +377,7 @@ def publish(staging: Path, final: Path, marker: dict[str, Any], keep_last: int) 
     (the same step saved again after resuming from an older checkpoint, or one left without
     its record or corrupt) is replaced by the new, complete one."""
     record = {**marker, "files": file_records(staging)}
-    atomic_write_text(staging / MARKER, json.dumps(record, indent=2))
+    atomic_write_text(staging / COMPLETE, json.dumps(record, indent=2))
     if final.exists():
         old = final.with_name(final.name + ".replaced")
         shutil.rmtree(old, ignore_errors=True)
