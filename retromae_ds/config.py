@@ -1,6 +1,6 @@
 """Nested dataclass configs: load from YAML/JSON, override any field from the command line.
 
-``build_config(TrainConfig, "job.yaml", ["--optim.lr", "1e-4", "--model.encoder.name=small"])``
+``build_config(PretrainConfig, "job.yaml", ["--optim.lr", "1e-4", "--model.encoder.name=small"])``
 walks each dotted path and converts the value with the field's type annotation, so a typo or a
 bad value fails with the field's name instead of deep inside training. ``make_parser`` and
 ``parse_config`` give a command its ``--help``: every field with its dotted name, type, default

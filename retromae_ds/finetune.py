@@ -273,8 +273,8 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     ts = ance_data.load(prepared)
     if dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
         # --progress false silences bm25s's bars too
-        mining = replace(cfg.refresh, progress=cfg.refresh.progress and cfg.progress)
-        manifest = publish_bm25(mining, ts, layout.negatives)
+        bm25_cfg = replace(cfg.refresh, progress=cfg.refresh.progress and cfg.progress)
+        manifest = publish_bm25(bm25_cfg, ts, layout.negatives)
         print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
 

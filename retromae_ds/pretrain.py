@@ -28,7 +28,7 @@ from retromae_ds.config import resumable
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
-from retromae_ds.eval.periodic import EvalConfig
+from retromae_ds.eval.periodic import PeriodicEvalConfig
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
@@ -67,13 +67,13 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig(RunConfig):
+class PretrainConfig(RunConfig):
     run_dir: str = resumable("runs/pretrain")
     """Where checkpoints, metrics and resolved configs go."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)
-    eval: EvalConfig = resumable(default_factory=EvalConfig)
+    eval: PeriodicEvalConfig = resumable(default_factory=PeriodicEvalConfig)
 
     RENAMED: ClassVar[dict[str, str]] = {"masking.decoder_ratio": "model.objective.decoder_ratio"}
     """Old field names still accepted (files, command line, saved runs): old -> new."""
@@ -89,7 +89,7 @@ class TrainConfig(RunConfig):
         super().__post_init__()
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run (or resume) pre-training; returns the final metrics row on every rank. Raises
     StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
     return run_guarded(cfg, lambda stop, dist: _train(cfg, stop, dist))
@@ -135,7 +135,7 @@ def check_masking(masking: MaskingConfig, manifest: dict[str, Any], shards: str)
         )
 
 
-def _train(cfg: TrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
+def _train(cfg: PretrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     # opening checks every shard is there, has its size and can be read, its sha256 against
@@ -229,7 +229,7 @@ def _token_counts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | in
 
 
 def _periodic_eval(
-    cfg: TrainConfig, trainer: Trainer, model: PretrainModel, tokenizer_dir: Path
+    cfg: PretrainConfig, trainer: Trainer, model: PretrainModel, tokenizer_dir: Path
 ) -> Callable[[], dict[str, Any]]:
     """The ``evaluate`` hook of ``eval``: rank 0 scores the encoder on the sample (the
     masked-LM model: the DupMAE poolings use its head)."""
@@ -314,7 +314,11 @@ def _write_encoder(module, state: dict[str, torch.Tensor], folder: Path) -> None
 
 def main(argv: list[str] | None = None) -> int:
     return run_main(
-        TrainConfig, train, argv, prog="retromae-ds pretrain", description=__doc__.splitlines()[0]
+        PretrainConfig,
+        pretrain,
+        argv,
+        prog="retromae-ds pretrain",
+        description=__doc__.splitlines()[0],
     )
 
 

@@ -77,9 +77,9 @@ def combined(name: str) -> dict[str, Any]:
 def _current(cfg: dict[str, Any]) -> dict[str, Any]:
     """A saved pre-training config with the fields renamed since under their new names."""
     from retromae_ds.config import apply_renamed
-    from retromae_ds.pretrain import TrainConfig
+    from retromae_ds.pretrain import PretrainConfig
 
-    return apply_renamed(TrainConfig, cfg, quiet=True)
+    return apply_renamed(PretrainConfig, cfg, quiet=True)
 
 
 def template(study: Path) -> dict[str, Any]:
@@ -121,9 +121,9 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
 
 def _fields() -> dict[str, Any]:
     from retromae_ds.config import flat_defaults
-    from retromae_ds.pretrain import TrainConfig
+    from retromae_ds.pretrain import PretrainConfig
 
-    return flat_defaults(TrainConfig)
+    return flat_defaults(PretrainConfig)
 
 
 def shards_at(study: Path, base_shards: Path, length: int, out: Path) -> Path:

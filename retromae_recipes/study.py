@@ -27,7 +27,7 @@ runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--ch
   standard error.
 
 The settings are ``retromae_recipes.study_config.StudyConfig`` (presets ``quick_config``,
-``gpu_config``). Each training stage is a typed config (``Study.pretrain_config`` -> ``TrainConfig``,
+``gpu_config``). Each training stage is a typed config (``Study.pretrain_config`` -> ``PretrainConfig``,
 ``Study.finetune_config`` -> ``FinetuneConfig``) written as JSON into its cell and run as its
 own process (``python -m retromae_ds.pretrain --config FILE``, resp. ``retromae_ds.finetune``), so
 every cell gets a fresh DeepSpeed engine; every result JSON is written atomically and a rerun
@@ -54,7 +54,7 @@ from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.config import to_dict
 from retromae_ds.data.collate import MaskingConfig
-from retromae_ds.eval.periodic import EvalConfig
+from retromae_ds.eval.periodic import PeriodicEvalConfig
 from retromae_ds.finetune import (
     DualModelConfig,
     FinetuneConfig,
@@ -64,7 +64,7 @@ from retromae_ds.finetune import (
 from retromae_ds.hfutil import quiet_transformers
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig
-from retromae_ds.pretrain import DataConfig, ModelConfig, TrainConfig
+from retromae_ds.pretrain import DataConfig, ModelConfig, PretrainConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, run_stage, write_json
 from retromae_recipes.report import HEAD_POOLINGS, MEASURES, report
@@ -80,7 +80,7 @@ from retromae_recipes.study_config import (
 
 
 # --------------------------------------------------------------------------- helpers
-def write_config(config: TrainConfig | FinetuneConfig, path: Path) -> Path:
+def write_config(config: PretrainConfig | FinetuneConfig, path: Path) -> Path:
     """``config`` as the JSON file ``python -m retromae_ds.pretrain --config FILE`` (resp.
     ``retromae_ds.finetune``) reads, written atomically."""
     write_json(to_dict(config), path)
@@ -157,14 +157,14 @@ class Study:
         positions = max(512, self.cfg.max_length)
         return EncoderConfig(name=self.cfg.scratch_encoder, max_position_embeddings=positions)
 
-    def curve(self, start: str, objective: str = "mlm") -> EvalConfig:
+    def curve(self, start: str, objective: str = "mlm") -> PeriodicEvalConfig:
         """The zero-shot curve's evaluation during pre-training (off for a start without
         ``curve_every``): a fixed sample of the fine-tuning split, never the test split, with
         the poolings ``objective``'s encoders are evaluated with (``poolings_of``)."""
         every = self.cfg.curve_every.get(start, 0)
         if not every:
-            return EvalConfig()
-        return EvalConfig(
+            return PeriodicEvalConfig()
+        return PeriodicEvalConfig(
             beir=str(self.beir),
             split=self.cfg.finetune_split,
             every=every,
@@ -176,12 +176,12 @@ class Study:
             bf16=bool(self.cfg.eval_bf16),
         )
 
-    def base_config(self) -> TrainConfig:
+    def base_config(self) -> PretrainConfig:
         """The ``bert`` start's MLM base: ``base_encoder`` from scratch, BERT's 15 % masking,
         ``base_steps`` × ``base_batch``, seed ``base_seed``."""
         cfg = self.cfg
         positions = max(512, cfg.max_length)
-        return TrainConfig(
+        return PretrainConfig(
             run_dir=str(self.base_cell() / "pretrain"),
             seed=cfg.base_seed,
             max_steps=cfg.base_steps,
@@ -204,14 +204,14 @@ class Study:
             eval=self.curve("bert"),
         )
 
-    def pretrain_config(self, start: str, objective: str, seed: int) -> TrainConfig:
+    def pretrain_config(self, start: str, objective: str, seed: int) -> PretrainConfig:
         """Pre-training of one cell (any objective but ``none``)."""
         if objective == "none":
             raise ValueError("the 'none' objective is the starting point: it is not pre-trained")
         cfg = self.cfg
         steps = cfg.pretrain_steps[start]
         name, strong = ("seed", True) if objective == "seed_strong" else (objective, False)
-        return TrainConfig(
+        return PretrainConfig(
             run_dir=str(self.cell(start, objective, seed) / "pretrain"),
             seed=seed,
             max_steps=steps,
@@ -302,7 +302,7 @@ class Study:
             deepspeed=_deepspeed(cfg.precision[start]),
         )
 
-    def _run_stage(self, module: str, config: TrainConfig | FinetuneConfig, name: Path) -> None:
+    def _run_stage(self, module: str, config: PretrainConfig | FinetuneConfig, name: Path) -> None:
         """Write ``config`` to ``NAME_config.json`` and run ``module`` on it, logging to
         ``NAME.log``."""
         path = write_config(config, name.with_name(name.name + "_config.json"))
@@ -370,7 +370,7 @@ class Study:
         self.shards("bert")
         return self._pretrain(self.base_config(), self.base_cell(), encoder)
 
-    def _pretrain(self, config: TrainConfig, cell: Path, encoder: Path) -> Path:
+    def _pretrain(self, config: PretrainConfig, cell: Path, encoder: Path) -> Path:
         """Run one pre-training stage, export its encoder to ``encoder`` (a DupMAE run's with
         its MLM head, which DupMAE's poolings read) and summarise it in ``cell/pretrain.json``
         (seconds, first/last log rows, tokens seen, the curve)."""

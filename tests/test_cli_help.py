@@ -12,7 +12,7 @@ import pytest
 from retromae_ds.cli import ENTRIES, build_parser, main
 
 CONFIG_COMMANDS = {
-    "pretrain": ("retromae_ds.pretrain", "TrainConfig"),
+    "pretrain": ("retromae_ds.pretrain", "PretrainConfig"),
     "finetune": ("retromae_ds.finetune", "FinetuneConfig"),
     "refresh": ("retromae_ds.ance.refresh_config", "RefreshConfig"),
 }
@@ -195,7 +195,8 @@ def test_the_old_pretraining_module_name_still_runs():
 
     from retromae_ds import pretrain, train
 
-    assert train.TrainConfig is pretrain.TrainConfig and train.main is pretrain.main
+    assert train.TrainConfig is pretrain.PretrainConfig and train.main is pretrain.main
+    assert train.train is pretrain.pretrain
     done = subprocess.run(
         [sys.executable, "-m", "retromae_ds.train", "--help"],
         capture_output=True,

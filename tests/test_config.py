@@ -20,14 +20,14 @@ from retromae_ds.config import (
     parse_config,
     parse_overrides,
 )
-from retromae_ds.pretrain import TrainConfig
+from retromae_ds.pretrain import PretrainConfig
 from retromae_ds.training.config import OptimConfig
 
 
 def test_overrides_reach_nested_fields_with_types(tmp_path):
     (tmp_path / "c.yaml").write_text("data: {shards: s}\nmax_steps: 5\noptim: {lr: 0.001}\n")
     cfg = build_config(
-        TrainConfig,
+        PretrainConfig,
         tmp_path / "c.yaml",
         [
             "--optim.lr",
@@ -59,14 +59,14 @@ def test_overrides_reach_nested_fields_with_types(tmp_path):
 )
 def test_bad_overrides_name_the_field(args, message):
     with pytest.raises(ValueError, match=message):
-        build_config(TrainConfig, None, ["--data.shards", "s", "--max_steps", "1", *args])
+        build_config(PretrainConfig, None, ["--data.shards", "s", "--max_steps", "1", *args])
 
 
 def test_required_fields():
     with pytest.raises(ValueError, match="data.shards is required"):
-        build_config(TrainConfig, None, ["--max_steps", "1"])
+        build_config(PretrainConfig, None, ["--max_steps", "1"])
     with pytest.raises(ValueError, match="set max_steps or epochs"):
-        build_config(TrainConfig, None, ["--data.shards", "s"])
+        build_config(PretrainConfig, None, ["--data.shards", "s"])
     assert parse_overrides(["--a-b.c", "1"]) == {"a_b.c": "1"}
 
 
@@ -185,7 +185,7 @@ def test_help_text_lists_every_field_dotted_with_type_default_and_docstring():
 def test_help_text_of_the_training_config_fits_the_terminal():
     from retromae_ds.finetune import FinetuneConfig
 
-    text = help_text(TrainConfig)
+    text = help_text(PretrainConfig)
     for option, doc in [
         ("--optim.lr float  (default: 0.0001)", "Peak learning rate."),
         ('--model.objective.name str  (default: "retromae")', "(MLM + two-stream decoder)"),
@@ -200,11 +200,11 @@ def test_help_text_of_the_training_config_fits_the_terminal():
 
 
 def test_parse_config_applies_the_file_then_the_command_line(tmp_path, capsys):
-    parser = make_parser(TrainConfig, prog="retromae-ds pretrain", description="Pre-train.")
+    parser = make_parser(PretrainConfig, prog="retromae-ds pretrain", description="Pre-train.")
     parser.add_argument("--resume", default=None)
     (tmp_path / "c.json").write_text(json.dumps({"data": {"shards": "s"}, "optim": {"lr": 0.5}}))
     cfg, args = parse_config(
-        TrainConfig,
+        PretrainConfig,
         parser,
         ["--optim.lr", "2e-4", "--config", str(tmp_path / "c.json"), "--max_steps=3"]
         + ["--resume", "none", "--masking.encoder_ratio", "0.15"],
@@ -212,9 +212,11 @@ def test_parse_config_applies_the_file_then_the_command_line(tmp_path, capsys):
     assert (cfg.data.shards, cfg.optim.lr, cfg.max_steps) == ("s", 2e-4, 3)
     assert cfg.masking.encoder_ratio == 0.15 and args.resume == "none"
     with pytest.raises(ValueError, match="unknown config field.*optim.lrr"):
-        parse_config(TrainConfig, parser, ["--data.shards", "s", "--max_steps=1", "--optim.lrr=1"])
+        parse_config(
+            PretrainConfig, parser, ["--data.shards", "s", "--max_steps=1", "--optim.lrr=1"]
+        )
     with pytest.raises(ValueError, match="max_steps: expected an integer"):
-        parse_config(TrainConfig, parser, ["--data.shards", "s", "--max_steps", "x"])
+        parse_config(PretrainConfig, parser, ["--data.shards", "s", "--max_steps", "x"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     out = capsys.readouterr().out
@@ -253,9 +255,9 @@ fields added since that a resumed run may change."""
 def test_resumable_fields_are_the_list_the_loop_held():
     from retromae_ds.config import flat_defaults, resume_may_change
     from retromae_ds.finetune import FinetuneConfig
-    from retromae_ds.pretrain import TrainConfig
+    from retromae_ds.pretrain import PretrainConfig
 
-    for cls in (TrainConfig, FinetuneConfig):
+    for cls in (PretrainConfig, FinetuneConfig):
         keys = set(flat_defaults(cls)) | {"data.shards"}
         present = {
             name for name in RESUMABLE_BEFORE
@@ -268,10 +270,10 @@ def test_resume_accepts_a_field_added_since_at_its_default(tmp_path):
     """A run saved before a field existed resumes while the field holds its default (the old
     run's meaning), and refuses once it is set to anything else."""
     from retromae_ds.config import to_dict
-    from retromae_ds.pretrain import DataConfig, TrainConfig
+    from retromae_ds.pretrain import DataConfig, PretrainConfig
     from retromae_ds.training.loop import check_resume_config
 
-    cfg = TrainConfig(data=DataConfig(shards="s"), max_steps=4)
+    cfg = PretrainConfig(data=DataConfig(shards="s"), max_steps=4)
     saved = to_dict(cfg)
     del saved["optim"]["decoder_lr_scale"]
     path = tmp_path / "config.json"
@@ -295,27 +297,27 @@ def test_a_renamed_field_is_read_under_its_old_name_with_one_note(tmp_path, caps
     resumes, and refuses a different value under the new one."""
     import retromae_ds.config as config
     from retromae_ds.config import build_config, to_dict
-    from retromae_ds.pretrain import TrainConfig
+    from retromae_ds.pretrain import PretrainConfig
     from retromae_ds.training.loop import check_resume_config
 
     config._NOTED.clear()
     old = {"data": {"shards": "s"}, "max_steps": 3, "masking": {"decoder_ratio": 0.7}}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
-    cfg = build_config(TrainConfig, path, [])
+    cfg = build_config(PretrainConfig, path, [])
     assert cfg.model.objective.decoder_ratio == 0.7
     assert "masking.decoder_ratio is now model.objective.decoder_ratio" in capsys.readouterr().err
-    cli = build_config(TrainConfig, None, ["--data.shards", "s", "--max_steps", "3",
+    cli = build_config(PretrainConfig, None, ["--data.shards", "s", "--max_steps", "3",
                                            "--masking.decoder_ratio", "0.9"])  # fmt: skip
     assert cli.model.objective.decoder_ratio == 0.9
     assert capsys.readouterr().err == ""  # noted once per process
-    over = build_config(TrainConfig, path, ["--model.objective.decoder_ratio", "0.6"])
+    over = build_config(PretrainConfig, path, ["--model.objective.decoder_ratio", "0.6"])
     assert over.model.objective.decoder_ratio == 0.6  # the command line wins over the file
     with pytest.raises(
         ValueError, match=r"masking.decoder_ratio and model.objective.decoder_ratio"
     ):
         config.from_dict(
-            TrainConfig,
+            PretrainConfig,
             {**old, "model": {"objective": {"decoder_ratio": 0.5}}},
         )
 

@@ -426,7 +426,7 @@ def test_config_errors_name_the_setting(tmp_path, tokenizer_dir):
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     from retromae_ds.eval.encode import HFEncoder, pool
-    from retromae_ds.eval.periodic import EvalConfig
+    from retromae_ds.eval.periodic import PeriodicEvalConfig
     from retromae_ds.finetune import DualModelConfig
 
     with pytest.raises(ValueError, match="objective.bow_weight"):
@@ -434,9 +434,9 @@ def test_config_errors_name_the_setting(tmp_path, tokenizer_dir):
     with pytest.raises(ValueError, match="objective.name"):
         ObjectiveConfig(name="dupmae2")
     with pytest.raises(ValueError, match="eval.poolings"):
-        EvalConfig(poolings=["cls", "max"])
+        PeriodicEvalConfig(poolings=["cls", "max"])
     with pytest.raises(ValueError, match="eval.bow_topk"):
-        EvalConfig(bow_topk=-1)
+        PeriodicEvalConfig(bow_topk=-1)
     with pytest.raises(ValueError, match="model.pooling"):
         DualModelConfig(init="x", pooling="bow")
     with pytest.raises(ValueError, match="model.bow_topk"):
@@ -556,7 +556,7 @@ def test_finetuning_with_a_dupmae_pooling_mines_ance_negatives_with_it(tmp_path,
 
 
 def test_periodic_eval_scores_the_dupmae_poolings_of_the_training_model(tmp_path, tokenizer_dir):
-    from retromae_ds.eval.periodic import EvalConfig, PeriodicEval
+    from retromae_ds.eval.periodic import PeriodicEval, PeriodicEvalConfig
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=30, num_queries=6)
     (beir / "qrels" / "test.tsv").write_text((beir / "qrels" / "train.tsv").read_text())
@@ -569,7 +569,7 @@ def test_periodic_eval_scores_the_dupmae_poolings_of_the_training_model(tmp_path
         ObjectiveConfig(name="dupmae"),
     )
     before = copy.deepcopy(model.state_dict())
-    row = PeriodicEval(EvalConfig(beir=str(beir), poolings=["cls", "dupmae"], bow_topk=8))(
+    row = PeriodicEval(PeriodicEvalConfig(beir=str(beir), poolings=["cls", "dupmae"], bow_topk=8))(
         model.encoder, tok
     )
     assert {"eval/beir/cls/ndcg@10", "eval/beir/dupmae/ndcg@10"} <= row.keys()

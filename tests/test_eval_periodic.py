@@ -17,7 +17,7 @@ from helpers_train import ENV, REPO, metrics, pretrain
 from retromae_ds.data import builtin_corpus as bc
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.eval.beir import load_beir
-from retromae_ds.eval.periodic import EvalConfig, sample_beir
+from retromae_ds.eval.periodic import PeriodicEvalConfig, sample_beir
 
 LOSSES = ("loss", "mlm_loss", "mlm_accuracy", "decoder_loss", "lr", "tokens_seen")
 
@@ -62,7 +62,7 @@ def test_sample_is_fixed_and_keeps_the_judged_documents(task):
     whole = sample_beir(data, 0, 0, seed=0)
     assert whole.corpus_ids == data.corpus_ids and whole.query_ids == data.query_ids
     with pytest.raises(ValueError, match="poolings"):
-        EvalConfig(poolings=["max"])
+        PeriodicEvalConfig(poolings=["max"])
 
 
 def test_logged_scores_are_what_retromae_ds_eval_computes(tmp_path, task):

@@ -489,13 +489,15 @@ def test_refresh_on_a_folder_that_is_not_a_finetuning_run_is_refused_creating_no
     lock, no mistyped tree)."""
     from retromae_ds.config import to_dict
     from retromae_ds.fsutil import atomic_write_json
-    from retromae_ds.pretrain import DataConfig, TrainConfig
+    from retromae_ds.pretrain import DataConfig, PretrainConfig
 
     pre = tmp_path / "pretrain_run"
     (pre / "checkpoints").mkdir(parents=True)
     atomic_write_json(
         RunLayout(pre).config,
-        to_dict(TrainConfig(run_dir=str(pre), max_steps=10, data=DataConfig(shards=str(tmp_path)))),
+        to_dict(
+            PretrainConfig(run_dir=str(pre), max_steps=10, data=DataConfig(shards=str(tmp_path)))
+        ),
     )
     empty = tmp_path / "empty"
     empty.mkdir()

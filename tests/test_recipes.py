@@ -1,5 +1,5 @@
 """The study's stage configs, built without running anything: every pre-training and
-fine-tuning stage of the default, quick and GPU protocols is a typed ``TrainConfig`` /
+fine-tuning stage of the default, quick and GPU protocols is a typed ``PretrainConfig`` /
 ``FinetuneConfig`` that survives the JSON file the trainer reads. A renamed or retyped config
 field fails here in a second instead of minutes into a study."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from retromae_ds.config import build_config
 from retromae_ds.finetune import FinetuneConfig
-from retromae_ds.pretrain import TrainConfig
+from retromae_ds.pretrain import PretrainConfig
 from retromae_recipes.common import find_minilm
 from retromae_recipes.study import Study, write_config
 from retromae_recipes.study_config import (
@@ -105,7 +105,7 @@ def test_every_stage_config_builds_and_survives_the_trainers_config_file(protoco
 def test_pretrain_configs_carry_the_protocol(tmp_path):
     study = _study("quick", tmp_path)
     cfg = study.pretrain_config("scratch", "seed", 1)
-    assert isinstance(cfg, TrainConfig)
+    assert isinstance(cfg, PretrainConfig)
     assert cfg.run_dir == str(study.cell("scratch", "seed", 1) / "pretrain")
     assert cfg.data.shards == str(tmp_path / "study" / "shards_scratch")
     assert (cfg.seed, cfg.max_steps, cfg.micro_batch_size, cfg.log_every) == (1, 120, 16, 12)
@@ -174,7 +174,7 @@ def test_a_stage_runs_as_its_own_process_on_its_config_file(tmp_path, monkeypatc
             name.with_name("pretrain.log"),
         )
     ]
-    assert build_config(TrainConfig, path, []) == config
+    assert build_config(PretrainConfig, path, []) == config
     assert json.loads(path.read_text())["model"]["objective"]["name"] == "mlm"
 
 
@@ -263,7 +263,7 @@ def test_chinese_protocol_uses_the_chinese_vocab_jieba_csl_and_reranking(
 def test_knob_configs_change_only_their_fields_and_stay_valid_train_configs(tmp_path):
     """scripts/knobs.py's runs, built without running: the study's continuation config is the
     template (objective switched to RetroMAE), each knob changes only its fields, a batch knob
-    scales the steps to keep the tokens equal, and every result is a valid TrainConfig."""
+    scales the steps to keep the tokens equal, and every result is a valid PretrainConfig."""
     from retromae_recipes import knobs
 
     study = _study("bert", tmp_path)
@@ -287,7 +287,7 @@ def test_knob_configs_change_only_their_fields_and_stay_valid_train_configs(tmp_
     assert (both["optim"]["lr"], both["micro_batch_size"], both["max_steps"]) == (3e-3, 16, 80)
     assert len({c["run_dir"] for c in built.values()}) == len(built)
     for name, cfg in built.items():
-        path = write_config(build_config(TrainConfig, _json(tmp_path / f"{name}.json", cfg), []),
+        path = write_config(build_config(PretrainConfig, _json(tmp_path / f"{name}.json", cfg), []),
                             tmp_path / f"{name}.back.json")  # fmt: skip
         assert json.loads(path.read_text())["optim"] == cfg["optim"]
     with pytest.raises(KeyError, match="not in the pre-training config"):

@@ -380,16 +380,16 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 def test_stop_signals_are_validated(synthetic_shards):
     from retromae_ds.components.signals import signal_number
     from retromae_ds.config import build_config
-    from retromae_ds.pretrain import TrainConfig
+    from retromae_ds.pretrain import PretrainConfig
 
     assert signal_number("USR1") == signal_number("SIGUSR1")
     base = ["--data.shards", str(synthetic_shards), "--max_steps", "1"]
-    cfg = build_config(TrainConfig, None, [*base, "--stop_signals", "SIGUSR2,TERM"])
+    cfg = build_config(PretrainConfig, None, [*base, "--stop_signals", "SIGUSR2,TERM"])
     assert cfg.stop_signals == ["SIGUSR2", "TERM"]
-    assert build_config(TrainConfig, None, [*base, "--stop_signals", ""]).stop_signals == []
+    assert build_config(PretrainConfig, None, [*base, "--stop_signals", ""]).stop_signals == []
     for bad in ("SIGKILL", "SIGNOPE"):
         with pytest.raises(ValueError, match="stop_signals"):
-            build_config(TrainConfig, None, [*base, "--stop_signals", bad])
+            build_config(PretrainConfig, None, [*base, "--stop_signals", bad])
 
 
 def test_after_a_stop_further_stop_signals_are_ignored():

@@ -1,6 +1,6 @@
 """Zero-shot retrieval evaluation during training: "is pre-training done yet?".
 
-``EvalConfig`` is the ``eval`` section of a pre-training run (``--eval.beir DIR --eval.every
+``PeriodicEvalConfig`` is the ``eval`` section of a pre-training run (``--eval.beir DIR --eval.every
 N``). ``PeriodicEval`` loads the BEIR split once, draws a fixed sample of it (``max_queries``
 judged queries, their judged documents plus other documents up to ``max_docs``; the sample
 depends only on ``sample_seed``, so every run — every objective, every seed — is measured on
@@ -32,7 +32,7 @@ MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class PeriodicEvalConfig:
     """Zero-shot retrieval evaluation of the encoder while it trains."""
 
     beir: str = ""
@@ -113,7 +113,7 @@ class PeriodicEval:
     """The sample of ``cfg``'s BEIR split, and ``__call__(model, tokenizer)`` that scores an
     encoder (a Hugging Face model whose output has ``last_hidden_state``) on it."""
 
-    def __init__(self, cfg: EvalConfig) -> None:
+    def __init__(self, cfg: PeriodicEvalConfig) -> None:
         if not cfg.enabled:
             raise ValueError("eval.beir is not set")
         self.cfg = cfg

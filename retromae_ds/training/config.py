@@ -1,7 +1,7 @@
 """The settings every training run has, whatever it trains: where it writes, how long it runs,
 batch and accumulation, logging, stop signals, optimizer, checkpoints and DeepSpeed.
 
-``retromae_ds.pretrain.TrainConfig`` (pre-training) and ``retromae_ds.finetune.FinetuneConfig``
+``retromae_ds.pretrain.PretrainConfig`` (pre-training) and ``retromae_ds.finetune.FinetuneConfig``
 (fine-tuning) extend :class:`RunConfig` with their data and model sections; the ``Trainer``
 reads only what is declared here.
 """
