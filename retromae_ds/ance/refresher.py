@@ -58,6 +58,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -380,56 +381,88 @@ def run_refresher(cfg: RefreshConfig) -> int:
         return _refresh_loop(cfg, group, layout)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the refresher does next: rank 0 decides (``_next_action``), every rank follows."""
+
+    do: str
+    """``wait``, ``stop`` or ``refresh``."""
+    why: str = ""
+    """stop: the reason; wait: what is awaited (said every ``wait_report_s``)."""
+    ready: bool = False
+    """The data is prepared and a negatives version exists: the data can be checked."""
+    checkpoint: str = ""
+    """refresh: the checkpoint to mine from, its step and the version to publish."""
+    step: int = 0
+    version: int = 0
+
+
+@dataclass
+class Watch:
+    """What rank 0's decisions remember between polls."""
+
+    last_new: float
+    """When the last version was published (or the loop started): ``idle_timeout_s``."""
+    parent_ppid: int
+    """This process's parent at start: a local refresher whose trainer died is re-parented."""
+    reported: set[str] = field(default_factory=set)
+    """Problems already printed (a bad pointer, a corrupt checkpoint): said once."""
+    skipped: set[str] = field(default_factory=set)
+    """Checkpoints that could not be read: not retried."""
+
+    def say_once(self, message: str) -> None:
+        if message not in self.reported:
+            print(message, file=sys.stderr, flush=True)
+            self.reported.add(message)
+
+
 def _refresh_loop(cfg: RefreshConfig, group: Group, layout: RunLayout) -> int:
     all_threads = torch.get_num_threads()
     # the folder the trainer prepared (it names it in refresh_config.json), else RUN/data
     data_dir = Path(cfg.data_dir or _trainer_data_dir(layout) or layout.data)
     published = 0
-    last_new = time.monotonic()
     ts = None
-    reported: set[str] = set()  # pointer problems already printed
-    skipped: set[str] = set()  # checkpoints that could not be read: not retried
-    parent_ppid = os.getppid()
+    watch = Watch(last_new=time.monotonic(), parent_ppid=os.getppid())
     started = time.monotonic()
     next_report = started + cfg.wait_report_s  # a short wait goes without a word
     while True:
-        action: dict[str, Any] = {"do": "wait", "for": "rank 0"}
+        action = Decision("wait", why="rank 0")
         if group.rank == 0:
-            action = _next_action(cfg, layout, data_dir, last_new, reported, skipped, parent_ppid)
+            action = _next_action(cfg, layout, data_dir, watch)
         action = group.broadcast(action)
-        if action.get("ready") and ts is None:
+        if action.ready and ts is None:
             # refused at start: a data folder that is not the one the negatives refer to
             ts = ance_data.load(data_dir)
             check_data(ts, data_dir, layout.negatives)
-        if action["do"] == "stop":
+        if action.do == "stop":
             if group.rank == 0:
-                print(f"refresh: stopping ({action['why']})", file=sys.stderr, flush=True)
+                print(f"refresh: stopping ({action.why})", file=sys.stderr, flush=True)
             return published
-        if action["do"] == "wait":
+        if action.do == "wait":
             if group.rank == 0 and time.monotonic() >= next_report:
                 waited = time.monotonic() - started
                 print(
-                    f"refresh: waiting for {action['for']} ({waited:.0f} s)",
+                    f"refresh: waiting for {action.why} ({waited:.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
                 next_report = time.monotonic() + cfg.wait_report_s
             time.sleep(cfg.poll_s)
             continue
-        _set_threads(cfg, action["step"], all_threads)
+        _set_threads(cfg, action.step, all_threads)
         try:
-            refresh_once(cfg, ts, Path(action["checkpoint"]), action["version"], group)
+            refresh_once(cfg, ts, Path(action.checkpoint), action.version, group)
         except handoff.NegativesWriteError:
             raise  # a full disk does not fix itself: re-encoding again would only loop
         except (FileNotFoundError, OSError) as exc:
             if group.world > 1:
                 raise
             # the trainer pruned the checkpoint while it was being read: take the next one
-            print(f"refresh: skipped {action['checkpoint']}: {exc}", file=sys.stderr, flush=True)
-            skipped.add(action["checkpoint"])
+            print(f"refresh: skipped {action.checkpoint}: {exc}", file=sys.stderr, flush=True)
+            watch.skipped.add(action.checkpoint)
             continue
         published += 1
-        last_new = time.monotonic()
+        watch.last_new = time.monotonic()
         if cfg.max_versions and published >= cfg.max_versions:
             if group.rank == 0:
                 print(f"refresh: stopping (max_versions {cfg.max_versions})", file=sys.stderr)
@@ -443,101 +476,96 @@ def _source(root: Path, version: int) -> str | None:
         return None
 
 
-def _next_action(
-    cfg: RefreshConfig,
-    layout: RunLayout,
-    data_dir: Path,
-    last_new: float,
-    reported: set[str] | None = None,
-    skipped: set[str] | None = None,
-    parent_ppid: int | None = None,
-) -> dict[str, Any]:
-    """Rank 0: ``{"do": "wait" | "stop" | "refresh", ...}``; ``ready`` once the data is
-    prepared and a negatives version exists (the data can then be checked)."""
-    root = layout.negatives
-    if cfg.parent_pid and (
+# --------------------------------------------------------------------------- deciding
+def _trainer_gone(cfg: RefreshConfig, watch: Watch) -> bool:
+    """The trainer this refresher serves (``parent_pid``) exited, or this process was
+    re-parented away from it."""
+    return bool(cfg.parent_pid) and (
         _process_gone(cfg.parent_pid)
-        or (cfg.parent_pid == parent_ppid and os.getppid() != parent_ppid)
-    ):
-        return {
-            "do": "stop",
-            "why": f"the trainer it serves (pid {cfg.parent_pid}) is gone",
-        }
+        or (cfg.parent_pid == watch.parent_ppid and os.getppid() != watch.parent_ppid)
+    )
+
+
+def _current_version(root: Path, watch: Watch) -> tuple[dict[str, Any] | None, bool]:
+    """(the negatives pointer or None, whether it is unreadable: the current version is
+    unknown, and publishing the next one replaces the bad pointer)."""
+    try:
+        return handoff.read_pointer(root), False
+    except handoff.HandoffError as exc:
+        watch.say_once(f"refresh: {exc}; will publish a new version")
+        return None, True
+
+
+def _awaited_start(data_dir: Path, root: Path) -> str:
+    """What the trainer has not yet done before anything can be mined ("" once done): it
+    prepares the data and publishes the BM25 version first."""
+    if not (data_dir / ance_data.READY).is_file():
+        return f"the trainer to prepare its data ({data_dir / ance_data.READY})"
+    return f"the trainer's first negatives version ({root / handoff.POINTER})"
+
+
+def _newest_checkpoint(layout: RunLayout, watch: Watch) -> Path | None:
+    """The newest checkpoint whose encoder(s) match their record, as every other reader of
+    checkpoints picks it (a corrupt newer one is passed over, saying so once); None while
+    there is none, or it was pruned while being read, or could not be read before."""
+    try:
+        newest = ckpt.resolve_checkpoint(layout.root)
+    except FileNotFoundError:
+        return None
+    except ckpt.CheckpointCorrupt as exc:
+        watch.say_once(f"refresh: {exc}; waiting for a newer checkpoint")
+        return None
+    return None if str(newest) in watch.skipped else newest
+
+
+def _is_newer(
+    cfg: RefreshConfig, root: Path, checkpoint: Path, pointer: dict[str, Any] | None
+) -> bool:
+    """Whether ``checkpoint`` is worth mining over the current version ``pointer`` (None:
+    unknown). BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer;
+    otherwise it must be ``min_new_steps`` (at least 1) past the version's step."""
+    if pointer is None or _source(root, pointer["version"]) == "bm25":
+        return True
+    return ckpt.read_marker(checkpoint)["step"] >= pointer["step"] + max(1, cfg.min_new_steps)
+
+
+def _next_action(cfg: RefreshConfig, layout: RunLayout, data_dir: Path, watch: Watch) -> Decision:
+    """Rank 0's decision for this poll (``Decision``)."""
+    root = layout.negatives
+    if _trainer_gone(cfg, watch):
+        return Decision("stop", why=f"the trainer it serves (pid {cfg.parent_pid}) is gone")
+    if cfg.idle_timeout_s and time.monotonic() - watch.last_new > cfg.idle_timeout_s:
+        return Decision("stop", why=f"no new checkpoint for {cfg.idle_timeout_s:.0f} s")
     # FINISHED: the trainer reached max_steps. Whenever it was written (before this refresher
     # started too: slurm/finetune.sh and the trainer remove a previous one before they start),
     # once nothing newer than the current negatives is left to mine, there is nothing to do.
     finished = layout.finished
     done = finished.is_file()
-    if cfg.idle_timeout_s and time.monotonic() - last_new > cfg.idle_timeout_s:
-        return {"do": "stop", "why": f"no new checkpoint for {cfg.idle_timeout_s:.0f} s"}
-    try:
-        pointer, unknown = handoff.read_pointer(root), False
-    except handoff.HandoffError as exc:
-        # the current version is unknown; publishing the next one replaces the bad pointer
-        pointer, unknown = None, True
-        if reported is None or str(exc) not in reported:
-            print(f"refresh: {exc}; will publish a new version", file=sys.stderr, flush=True)
-            if reported is not None:
-                reported.add(str(exc))
+    pointer, unknown = _current_version(root, watch)
     if not (data_dir / ance_data.READY).is_file() or (pointer is None and not unknown):
-        # the trainer prepares the data and publishes the BM25 version first
         if done:
-            return {"do": "stop", "why": f"the run is finished ({finished})"}
-        missing = (
-            f"the trainer to prepare its data ({data_dir / ance_data.READY})"
-            if not (data_dir / ance_data.READY).is_file()
-            else f"the trainer's first negatives version ({root / handoff.POINTER})"
-        )
-        return {"do": "wait", "for": missing}
-    # the newest checkpoint whose encoder(s) match their record (a corrupt newer one is
-    # passed over, saying so once), as every other reader of checkpoints does
-    try:
-        newest = ckpt.resolve_checkpoint(layout.root)
-    except FileNotFoundError:
-        newest = None  # none yet, or pruned while being read: wait
-    except ckpt.CheckpointCorrupt as exc:
-        newest = None  # wait for one that verifies, having said why once
-        if reported is None or str(exc) not in reported:
-            print(f"refresh: {exc}; waiting for a newer checkpoint", file=sys.stderr, flush=True)
-            if reported is not None:
-                reported.add(str(exc))
-    if newest is not None and skipped and str(newest) in skipped:
-        newest = None  # unreadable once: wait for the next one
-    # BM25 negatives come from no checkpoint: any checkpoint, even step 0, is newer (and so
-    # it is when the current version is unknown)
-    fresh = newest is not None and (
-        unknown
-        or _source(root, pointer["version"]) == "bm25"
-        or ckpt.read_marker(newest)["step"] >= pointer["step"] + max(1, cfg.min_new_steps)
-    )
-    if fresh:
+            return Decision("stop", why=f"the run is finished ({finished})")
+        return Decision("wait", why=_awaited_start(data_dir, root))
+    newest = _newest_checkpoint(layout, watch)
+    if newest is not None and _is_newer(cfg, root, newest, pointer):
         # numbered past every published version (data + manifest), whatever the pointer says
-        return {
-            "do": "refresh",
-            "ready": True,
-            "checkpoint": str(newest),
-            "step": ckpt.read_marker(newest)["step"],
-            "version": handoff.next_version(root),
-        }
-    if done:
-        current = (
-            f"negatives v{pointer['version']} (step {pointer['step']})"
-            if pointer
-            else "the negatives"
+        return Decision(
+            "refresh",
+            ready=True,
+            checkpoint=str(newest),
+            step=ckpt.read_marker(newest)["step"],
+            version=handoff.next_version(root),
         )
-        return {
-            "do": "stop",
-            "ready": True,
-            "why": f"the run is finished ({finished}) and no checkpoint is newer than {current}",
-        }
-    current = (
-        f"v{pointer['version']} (step {pointer['step']})" if pointer else "the current version"
+    current = f"v{pointer['version']} (step {pointer['step']})" if pointer else ""
+    if done:
+        newer_than = f"negatives {current}" if pointer else "the negatives"
+        why = f"the run is finished ({finished}) and no checkpoint is newer than {newer_than}"
+        return Decision("stop", why=why, ready=True)
+    why = (
+        f"a complete checkpoint in {layout.checkpoints} newer than negatives "
+        f"{current or 'the current version'}"
     )
-    return {
-        "do": "wait",
-        "ready": True,
-        "for": f"a complete checkpoint in {layout.checkpoints} newer than negatives {current}",
-    }
+    return Decision("wait", why=why, ready=True)
 
 
 def _run_main(argv: list[str] | None) -> None:
