@@ -310,33 +310,89 @@ def open_work(
     return work
 
 
+@dataclass
+class Towers:
+    """A checkpoint's encoders on the refresher's device, and what makes their vectors."""
+
+    passages: torch.nn.Module
+    queries: torch.nn.Module
+    """The query tower (the passage tower when the checkpoint has one shared encoder)."""
+    query_dir: Path | None
+    """The query tower's folder (None: shared)."""
+    amp: torch.dtype | None
+    device: torch.device
+    settings: dict[str, Any]
+    """Pooling (and DupMAE's top-k), normalisation, autocast, device: a cache key's part."""
+
+    @classmethod
+    def load(cls, job: Job) -> Towers:
+        cfg, spec = job.cfg, job.spec
+        device = pick_device(cfg, job.group.local_rank)
+        head = spec.pooling in sbert.HEAD_POOLINGS  # DupMAE: the MLM head pools
+        passages = load_tower(job.checkpoint / ENCODER, head=head).to(device)
+        query_dir = job.checkpoint / QUERY_ENCODER
+        shared = not query_dir.is_dir()
+        queries = passages if shared else load_tower(query_dir, head=head).to(device)
+        amp = torch.bfloat16 if cfg.bf16 and (device.type == "cuda" or cfg.bf16_cpu) else None
+        settings = {
+            "pooling": spec.pooling,
+            **({"bow_topk": spec.bow_topk} if head else {}),
+            "normalize": spec.normalize,
+            "autocast": str(amp),
+            "device": device.type,
+        }
+        return cls(passages, queries, None if shared else query_dir, amp, device, settings)
+
+
+class CachedEncoder:
+    """Rows encoded with a tower, or loaded from the embedding cache (``refresh.cache_dir``,
+    content-addressed by ``key``) and stored there on a miss."""
+
+    def __init__(self, job: Job, towers: Towers) -> None:
+        self.job, self.towers = job, towers
+        self.cache = EmbeddingCache(job.cfg.cache_dir)
+
+    def __call__(
+        self, what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray, key: dict[str, Any]
+    ) -> tuple[np.ndarray, str]:
+        """(``rows`` embedded, the cache's answer: hit, miss, off or not stored), in the
+        dtype ``key`` names (float32 by default)."""
+        job, cache, spec = self.job, self.cache, self.job.spec
+        dtype = key.get("dtype", "float32")
+        digest = cache.key(key) if cache.enabled else ""
+        found = cache.load(digest, (len(rows), job.dim), dtype) if digest else None
+        if found is not None:
+            return found, "hit"
+        out = encode_rows(
+            model, texts, rows, job.ts.special, pooling=spec.pooling, normalize=spec.normalize,
+            batch_size=job.cfg.batch_size, bow_topk=spec.bow_topk, amp_dtype=self.towers.amp,
+            desc=f"{what} r{job.group.rank}", progress=job.cfg.progress,
+        ).astype(dtype, copy=False)  # fmt: skip
+        if not digest:
+            return out, "off"
+        try:
+            cache.save(digest, out, key)
+        except OSError as exc:  # the cache only saves time: say so and go on without it
+            folder = Path(job.cfg.cache_dir)
+            print(
+                f"refresh: embedding cache {folder}: not stored "
+                f"({handoff.write_error(folder, exc, 'embeddings')})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return out, "not stored"
+        return out, "miss"
+
+
 def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
     """Every rank: its contiguous run of passage shards (``embed_shards``), each encoded and
     written whole with one shard in memory at a time (kept when a killed refresher left it
     complete for this encoder and corpus; from the embedding cache when it holds it), and
     its part of the queries (``queries_rank{r}.npy``); returns (all queries, its shards)."""
-    cfg, ts, group, timings = job.cfg, job.ts, job.group, job.timings
+    cfg, group, timings = job.cfg, job.group, job.timings
     t0 = time.perf_counter()
-    device = pick_device(cfg, group.local_rank)
-    encoder_dir = job.checkpoint / ENCODER
-    spec = job.spec
-    head = spec.pooling in sbert.HEAD_POOLINGS  # DupMAE: the MLM head pools
-    passage_model = load_tower(encoder_dir, head=head).to(device)
-    query_dir = job.checkpoint / QUERY_ENCODER
-    query_model = (
-        load_tower(query_dir, head=head).to(device) if query_dir.is_dir() else passage_model
-    )
-    use_bf16 = cfg.bf16 and (device.type == "cuda" or cfg.bf16_cpu)
-    amp = torch.bfloat16 if use_bf16 else None
+    towers = Towers.load(job)
     timings["load_s"] = time.perf_counter() - t0
-    common = dict(
-        pooling=spec.pooling,
-        normalize=spec.normalize,
-        batch_size=cfg.batch_size,
-        bow_topk=spec.bow_topk,
-        amp_dtype=amp,
-        progress=cfg.progress,
-    )
     shards = job.my_shards()
     if group.rank == 0:
         print(
@@ -347,64 +403,37 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
             file=sys.stderr,
             flush=True,
         )
-    qlo, qhi = split(ts.num_queries, group.world, group.rank)
-    dim = job.dim
     if shards and job.passages is None:  # bad settings: before encoding
-        index_choice(cfg, sum(shard.rows for shard in shards), dim)
+        index_choice(cfg, sum(shard.rows for shard in shards), job.dim)
     t0 = time.perf_counter()
-    passage_digest = folder_digest(encoder_dir)
+    passage_digest = folder_digest(job.checkpoint / ENCODER)
+    timings["encoder_digest_s"] = time.perf_counter() - t0
+    encoder = CachedEncoder(job, towers)
+    t0 = time.perf_counter()
+    _encode_passage_shards(job, shards, towers, encoder, passage_digest)
+    timings["encode_passages_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    queries = _encode_queries(job, towers, encoder, passage_digest)
+    timings["encode_queries_s"] = time.perf_counter() - t0
+    return queries, shards
+
+
+def _encode_passage_shards(
+    job: Job, shards: list[Shard], towers: Towers, encoder: CachedEncoder, digest: str
+) -> None:
+    """This rank's passage shards written whole, one in memory at a time; a shard left
+    complete for the same identity (encoder ``digest``, corpus, settings) is kept."""
+    ts = job.ts
     identity = {
-        "encoder": passage_digest,
+        "encoder": digest,
         "corpus": embed_shards.corpus_digest(ts.fingerprint()),
-        "pooling": spec.pooling,
-        **({"bow_topk": spec.bow_topk} if head else {}),
-        "normalize": spec.normalize,
-        "autocast": str(amp),
-        "device": device.type,
-        "dtype": cfg.embedding_dtype,
+        **towers.settings,
+        "dtype": job.cfg.embedding_dtype,
     }
     if job.passages is not None:  # a candidate pool's union: these rows, not the corpus's
         identity["passages"] = rows_digest(job.passages)
-    timings["encoder_digest_s"] = time.perf_counter() - t0
-    cache = EmbeddingCache(cfg.cache_dir)
-    base = {
-        "data": ts.fingerprint(),
-        "pooling": spec.pooling,
-        **({"bow_topk": spec.bow_topk} if head else {}),
-        "normalize": spec.normalize,
-        "autocast": str(amp),
-        "device": device.type,
-    }
-
-    def encode(
-        what: str, model: torch.nn.Module, texts: Any, rows: np.ndarray, key: dict[str, Any]
-    ) -> tuple[np.ndarray, str]:
-        """(``rows`` encoded or loaded from the embedding cache, the cache's answer), stored
-        in the cache on a miss; the array in the dtype ``key`` names (float32 by default)."""
-        dtype = key.get("dtype", "float32")
-        digest = cache.key(key) if cache.enabled else ""
-        found = cache.load(digest, (len(rows), dim), dtype) if digest else None
-        if found is not None:
-            return found, "hit"
-        out = encode_rows(model, texts, rows, ts.special, desc=f"{what} r{group.rank}", **common)
-        out = out.astype(dtype, copy=False)
-        if not digest:
-            return out, "off"
-        try:
-            cache.save(digest, out, key)
-        except OSError as exc:  # the cache only saves time: say so and go on without it
-            print(
-                f"refresh: embedding cache {cfg.cache_dir}: not stored "
-                f"({handoff.write_error(Path(cfg.cache_dir), exc, 'embeddings')})",
-                file=sys.stderr,
-                flush=True,
-            )
-            return out, "not stored"
-        return out, "miss"
-
-    t0 = time.perf_counter()
     for shard in shards:
-        problem = embed_shards.why_not_reusable(shard, identity, dim)
+        problem = embed_shards.why_not_reusable(shard, identity, job.dim)
         if problem is None:  # complete: left by a refresher killed later in this version
             job.shard_source.setdefault(shard.index, "resumed")
             job.shard_cache.setdefault(shard.index, "resumed")
@@ -414,17 +443,16 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
                 f"refresh: {shard.npy}: {problem}; encoding it again", file=sys.stderr, flush=True
             )
             job.redone += 1
-        if job.passages is None:
-            rows = ts.passage_rows[shard.lo : shard.hi]
-        else:
-            rows = ts.passage_rows[job.passages[shard.lo : shard.hi]]
-        key = {"texts": "passages", **base, "encoder": passage_digest, "rows": rows_digest(rows)}
+        where = slice(shard.lo, shard.hi)
+        rows = ts.passage_rows[where if job.passages is None else job.passages[where]]
+        key = {
+            "texts": "passages", "data": ts.fingerprint(), **towers.settings, "encoder": digest,
+            "rows": rows_digest(rows), "dtype": job.cfg.embedding_dtype,
+        }  # fmt: skip
         # the token shards mapped for this embedding shard alone: their pages leave the
         # resident set with it, so what encoding holds does not grow with the corpus read
         corpus = ShardDataset(ts.corpus.folder)
-        array, answer = encode(
-            "passages", passage_model, corpus, rows, {**key, "dtype": cfg.embedding_dtype}
-        )
+        array, answer = encoder("passages", towers.passages, corpus, rows, key)
         del corpus
         job.shard_source[shard.index] = "cached" if answer == "hit" else "encoded"
         job.shard_cache[shard.index] = answer
@@ -434,29 +462,29 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
             )
         del array  # one shard in memory at a time
     job.cached["passages"] = embed_shards.stats_line(list(job.shard_cache.values()) or ["none"])
-    timings["encode_passages_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    query_rows = ts.query_rows[qlo:qhi]
-    query_digest = ""
-    if cache.enabled:
-        query_digest = folder_digest(query_dir) if query_dir.is_dir() else passage_digest
-    query_key = {
-        "texts": "queries",
-        **base,
-        "encoder": query_digest,
-        "rows": rows_digest(query_rows),
-    }
-    query_part, job.cached["queries"] = encode(
-        "queries", query_model, ts.queries, query_rows, query_key
-    )
-    save_part(job.part("queries").with_suffix(".npy"), query_part, "query embeddings")
+
+def _encode_queries(
+    job: Job, towers: Towers, encoder: CachedEncoder, passage_digest: str
+) -> np.ndarray:
+    """Every query embedded: each rank its contiguous part (``queries_rank{r}.npy``), then
+    all parts read back by every rank."""
+    ts, group = job.ts, job.group
+    qlo, qhi = split(ts.num_queries, group.world, group.rank)
+    rows = ts.query_rows[qlo:qhi]
+    digest = ""
+    if encoder.cache.enabled:
+        digest = folder_digest(towers.query_dir) if towers.query_dir else passage_digest
+    key = {
+        "texts": "queries", "data": ts.fingerprint(), **towers.settings, "encoder": digest,
+        "rows": rows_digest(rows),
+    }  # fmt: skip
+    part, job.cached["queries"] = encoder("queries", towers.queries, ts.queries, rows, key)
+    save_part(job.part("queries").with_suffix(".npy"), part, "query embeddings")
     group.barrier()
-    queries = np.concatenate(
+    return np.concatenate(
         [np.load(job.part("queries", r).with_suffix(".npy")) for r in range(group.world)]
     )
-    timings["encode_queries_s"] = time.perf_counter() - t0
-    return queries, shards
 
 
 def _what_passages(job: Job) -> str:
