@@ -50,16 +50,8 @@ from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.batches import BatchBuilder, batch_stream
 from retromae_ds.ance.bm25 import publish_bm25
-from retromae_ds.ance.local_refresher import start_local_refresher, stop_local_refresher
+from retromae_ds.ance.feed import NegativesConfig, NegativesFeed
 from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
-from retromae_ds.ance.negatives import (
-    NegativesInUse,
-    NextVersion,
-    StaleNegatives,
-    load_negatives,
-    start_version,
-    wait_for_mined,
-)
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.components import engine as eng
 from retromae_ds.components.checkpoint import resolve_encoder
@@ -133,41 +125,6 @@ REFRESHERS = ("none", "local", "external")
 
 NORMALIZED_TEMPERATURE = 0.05
 """Contrastive temperature for cosine scores (sentence-transformers' scale 20, SimCSE, E5)."""
-
-
-@dataclass(kw_only=True)
-class NegativesConfig:
-    n_hard: int = 3
-    """Hard negatives per query in each batch, drawn from the ``refresh.mining.num_negatives``
-    each version holds per query (at most that many are distinct)."""
-    refresh_every: int = 50
-    """Look for a newer negatives version every M steps."""
-    mine_first: bool = False
-    """ANCE's start: save a step-0 checkpoint and train only once the refresher has published
-    negatives mined with the initial encoder (BM25 negatives are then never trained on)."""
-    mine_first_timeout_s: float = resumable(3600.0)
-    """How long to wait for those first mined negatives before failing."""
-    wait_report_s: float = resumable(60.0)
-    """While waiting for those first mined negatives, say what is awaited this often."""
-    stale_after: int = resumable(0)
-    """Report the negatives as stale once no newer version has come for this many looks
-    (``refresh_every`` steps each) since the version in use was taken or this process
-    started: a refresher that died or hangs elsewhere (0: off). A dead local refresher is
-    reported whatever this is."""
-    on_stale: str = resumable("warn")
-    """warn: one warning, training goes on with the version in use; stop: save a checkpoint of
-    that step, then fail in one line (``--resume auto`` goes on from it)."""
-
-    def __post_init__(self) -> None:
-        if self.stale_after < 0:
-            raise ValueError(f"negatives.stale_after must be >= 0, got {self.stale_after}")
-        if self.on_stale not in ("warn", "stop"):
-            raise ValueError(f"negatives.on_stale must be warn or stop, not {self.on_stale!r}")
-        if self.mine_first_timeout_s <= 0 or self.wait_report_s <= 0:
-            raise ValueError(
-                "negatives.mine_first_timeout_s and negatives.wait_report_s must be > 0, not "
-                f"{self.mine_first_timeout_s} and {self.wait_report_s}"
-            )
 
 
 @dataclass(kw_only=True)
@@ -252,10 +209,81 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
 def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     layout = RunLayout(cfg.run_dir)
-    prepared = Path(cfg.data.prepared or layout.data)
     torch.manual_seed(cfg.seed)
     init_dir = resolve_encoder(cfg.model.init)
+    ts = _prepare_data(cfg, layout, init_dir, dist)
+    spec, temperature = cfg.model.resolve(init_dir)
+    model = _build_model(cfg, init_dir, spec, temperature, ts)
+    sampler = ResumableDistributedSampler(ts.num_queries, dist.world_size, dist.rank, seed=cfg.seed)
+    batch_size = cfg.micro_batch_size
+    if len(sampler) < batch_size:
+        raise ValueError(
+            f"{ts.num_queries} training queries over {dist.world_size} ranks cannot fill "
+            f"micro batches of {batch_size}"
+        )
+    micro_per_epoch = len(sampler) // batch_size  # the partial last batch of an epoch is skipped
+    max_steps = steps_for(cfg, max(1, micro_per_epoch // cfg.grad_accum))
+    trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
+    feed = NegativesFeed(cfg.negatives, layout, ts, dist, trainer.note)
+    restored = trainer.resume(feed.resume_state())
+    version, start_problem = feed.start(restored is not None, trainer.step)
+    trainer.start_log(
+        f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
+        f"negatives v{version}" + (f", resumed at step {restored.step}" if restored else "")
+    )
+    trainer.note(
+        f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
+        f"(pooling from {spec.source}), temperature {temperature:g}"
+    )
+    if start_problem is not None:
+        trainer.note(f"finetune: {start_problem}")
+    # what a user of the saved encoder should read texts up to: the init's own length when it
+    # has one (fine-tuning on shorter passages does not shorten what it reads), else the
+    # passage length trained at
+    lengths = {
+        "q_max_len": cfg.data.q_max_len,
+        "p_max_len": cfg.data.p_max_len,
+        "max_seq_length": max(cfg.data.p_max_len, spec.max_length or 0),
+    }
+    hooks = Hooks(
+        write_models=lambda state, staging: save_encoders(model, state, staging, init_dir, lengths),
+        metrics=("loss", "accuracy"),
+        counts=lambda batch: {  # tokens stay on the device: no read per step
+            "tokens": batch["q_mask"].sum() + batch["p_mask"].sum(),
+            "slots": batch["q_mask"].numel() + batch["p_mask"].numel(),
+            "queries": batch_size,
+        },
+        consumed=lambda batch: batch_size,
+        marker=lambda: {"objective": "contrastive", **feed.marker()},
+        log_fields=lambda: feed.log_fields(trainer.step),
+        after_step=feed.after_step,
+    )
+    if dist.rank == 0:
+        refresh_file = _write_refresh_config(cfg, layout)
+        if cfg.refresher == "local":
+            feed.start_local_refresher(refresh_file)
+    try:
+        if cfg.negatives.mine_first and trainer.step == 0:
+            if restored is None:
+                trainer.save(0, hooks)
+            feed.wait_for_first_mined(stop)
+        build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed)
+        last = trainer.fit(batch_stream(sampler, batch_size, build, feed.negatives), hooks)
+        if dist.rank == 0 and trainer.step >= max_steps:
+            atomic_write_text(layout.finished, json.dumps({"step": trainer.step}))
+    finally:
+        feed.stop_local_refresher()
+        trainer.close()
+    return last
 
+
+def _prepare_data(
+    cfg: FinetuneConfig, layout: RunLayout, init_dir: Path, dist: eng.DistInfo
+) -> ance_data.TrainingSet:
+    """Rank 0 tokenizes the BEIR split with the init's tokenizer (once: ``data.prepared``
+    or ``RUN/data``) and publishes the BM25 negatives as v0 when no version exists; every
+    rank then loads the training set."""
+    prepared = Path(cfg.data.prepared or layout.data)
     if dist.rank == 0:
         layout.root.mkdir(parents=True, exist_ok=True)
         layout.finished.unlink(missing_ok=True)
@@ -277,15 +305,25 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         manifest = publish_bm25(bm25_cfg, ts, layout.negatives)
         print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
+    return ts
 
-    spec, temperature = cfg.model.resolve(init_dir)
+
+def _build_model(
+    cfg: FinetuneConfig,
+    init_dir: Path,
+    spec: sbert.EmbeddingSpec,
+    temperature: float,
+    ts: ance_data.TrainingSet,
+) -> DualEncoder:
+    """The dual encoder from the init: one shared tower or two (``model.shared``), each with
+    its MLM head for the DupMAE poolings."""
     head = spec.pooling in sbert.HEAD_POOLINGS
     encoder = load_tower(init_dir, head=head)
     query_encoder = None if cfg.model.shared else load_tower(init_dir, head=head)
     for tower in (encoder, query_encoder):
         if tower is not None and cfg.model.gradient_checkpointing:
             tower.gradient_checkpointing_enable()
-    model = DualEncoder(
+    return DualEncoder(
         encoder,
         query_encoder,
         pooling=spec.pooling,
@@ -294,126 +332,6 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         bow_topk=spec.bow_topk,
         special_ids=ts.special.all,
     )
-    # what a user of the saved encoder should read texts up to: the init's own length when it
-    # has one (fine-tuning on shorter passages does not shorten what it reads), else the
-    # passage length trained at
-    lengths = {
-        "q_max_len": cfg.data.q_max_len,
-        "p_max_len": cfg.data.p_max_len,
-        "max_seq_length": max(cfg.data.p_max_len, spec.max_length or 0),
-    }
-    sampler = ResumableDistributedSampler(ts.num_queries, dist.world_size, dist.rank, seed=cfg.seed)
-    batch_size = cfg.micro_batch_size
-    if len(sampler) < batch_size:
-        raise ValueError(
-            f"{ts.num_queries} training queries over {dist.world_size} ranks cannot fill "
-            f"micro batches of {batch_size}"
-        )
-    micro_per_epoch = len(sampler) // batch_size  # the partial last batch of an epoch is skipped
-    max_steps = steps_for(cfg, max(1, micro_per_epoch // cfg.grad_accum))
-    trainer = Trainer(cfg, dist, model, sampler, max_steps=max_steps, stop=stop)
-    next_version = NextVersion()
-    restored = trainer.resume({"negatives_version": next_version})
-    start, start_problem = None, None
-    if restored is not None:
-        version = next_version.restored
-    else:
-        # rank 0 reads the pointer (falling back past an unreadable one); all ranks agree
-        if dist.rank == 0:
-            start, start_problem = start_version(layout.negatives, ts)
-        version, start_problem = eng.broadcast_object(
-            (start.version if start else None, start_problem)
-        )
-        if version is None:
-            raise handoff.HandoffError(f"finetune: no usable negatives: {start_problem}")
-    if start is None or start.version != version:
-        start = load_negatives(layout.negatives, version, ts)
-    negatives = NegativesInUse(
-        layout.negatives,
-        ts,
-        start,
-        dist,
-        stale_after_steps=cfg.negatives.stale_after * cfg.negatives.refresh_every,
-        start_step=trainer.step,
-        quiet=cfg.negatives.on_stale == "stop",
-    )
-    next_version.negatives = negatives
-    build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed)
-    trainer.start_log(
-        f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
-        f"negatives v{version}" + (f", resumed at step {restored.step}" if restored else "")
-    )
-    trainer.note(
-        f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
-        f"(pooling from {spec.source}), temperature {temperature:g}"
-    )
-    if start_problem is not None:
-        trainer.note(f"finetune: {start_problem}")
-
-    def write_models(state: dict[str, torch.Tensor], staging: Path) -> None:
-        save_encoders(model, state, staging, init_dir, lengths)
-
-    hooks = Hooks(
-        write_models=write_models,
-        metrics=("loss", "accuracy"),
-        counts=lambda batch: {  # tokens stay on the device: no read per step
-            "tokens": batch["q_mask"].sum() + batch["p_mask"].sum(),
-            "slots": batch["q_mask"].numel() + batch["p_mask"].numel(),
-            "queries": batch_size,
-        },
-        consumed=lambda batch: batch_size,
-        marker=lambda: {
-            "objective": "contrastive",
-            "negatives_version": negatives.current.version,
-        },
-        log_fields=lambda: negatives.log_fields(trainer.step),
-    )
-
-    def after_step(step: int) -> None:
-        if step % cfg.negatives.refresh_every:
-            return
-        alarm = negatives.maybe_swap(step, trainer.note)
-        if alarm is not None and cfg.negatives.on_stale == "stop":
-            # nothing trained is lost: this step's checkpoint first, then one line
-            if trainer.checkpoints.newest_step() != step:
-                trainer.save(step, hooks)
-            raise StaleNegatives(
-                f"{alarm}; stopped (negatives.on_stale stop) after saving the checkpoint of "
-                f"step {step}: resume with --resume auto once a refresher can publish"
-            )
-
-    hooks.after_step = after_step
-    refresher = None
-    if dist.rank == 0:
-        refresh_file = _write_refresh_config(cfg, layout)
-        if cfg.refresher == "local":
-            refresher = start_local_refresher(refresh_file, layout.refresher_log)
-            negatives.refresher, negatives.refresher_log = refresher, layout.refresher_log
-    try:
-        if cfg.negatives.mine_first and trainer.step == 0:
-            if restored is None:
-                trainer.save(0, hooks)
-            version = wait_for_mined(
-                layout.negatives,
-                negatives.current.version,
-                refresher,
-                cfg.negatives.mine_first_timeout_s,
-                layout.refresher_log,
-                trainer.note,
-                stop=stop,
-                report_every_s=cfg.negatives.wait_report_s,
-                checkpoint=layout.checkpoint(0),
-                dist=dist,
-            )
-            negatives.take(load_negatives(layout.negatives, version, ts), 0)
-            trainer.note(f"finetune: step 0: negatives v{version} mined from the initial encoder")
-        last = trainer.fit(batch_stream(sampler, batch_size, build, negatives), hooks)
-        if dist.rank == 0 and trainer.step >= max_steps:
-            atomic_write_text(layout.finished, json.dumps({"step": trainer.step}))
-    finally:
-        stop_local_refresher(refresher)
-        trainer.close()
-    return last
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ import torch
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.components import engine as eng
-from retromae_ds.components.signals import StopRequested, StopSignals
+from retromae_ds.components.signals import StopAfterCheckpoint, StopRequested, StopSignals
 from retromae_ds.errors import RunFailed
 
 
@@ -31,8 +31,9 @@ def load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> hando
     return neg
 
 
-class StaleNegatives(ValueError):
-    """``negatives.on_stale stop``: the refresher died or published nothing for too long."""
+class StaleNegatives(StopAfterCheckpoint, ValueError):
+    """``negatives.on_stale stop``: the refresher died or published nothing for too long (the
+    trainer saves the step's checkpoint, then fails in one line)."""
 
 
 @dataclass

@@ -29,6 +29,11 @@ def signal_number(name: str) -> signal.Signals:
     return sig
 
 
+class StopAfterCheckpoint(Exception):  # noqa: N818 (a mixin: the concrete error names it)
+    """Mixed into an error ``Hooks.after_step`` raises to stop the run: the trainer first saves
+    the checkpoint of that step (unless it has), so ``--resume auto`` goes on from it."""
+
+
 class StopRequested(Exception):
     """The run stopped on a signal after the checkpoint of ``step`` was completed."""
 

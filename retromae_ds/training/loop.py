@@ -41,7 +41,12 @@ from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.metrics_log import MetricsLogger
 from retromae_ds.components.optim import build_optimizer, build_scheduler, lr_lambda
 from retromae_ds.components.run_lock import hold_run_folder
-from retromae_ds.components.signals import EXIT_REQUEUE, StopRequested, StopSignals
+from retromae_ds.components.signals import (
+    EXIT_REQUEUE,
+    StopAfterCheckpoint,
+    StopRequested,
+    StopSignals,
+)
 from retromae_ds.config import apply_renamed, flat_defaults, resume_may_change, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.errors import (
@@ -171,7 +176,8 @@ class Hooks:
     log_fields: Callable[[], dict[str, Any]] = _nothing
     """Task fields of each log row (after the averages)."""
     after_step: Callable[[int], None] | None = None
-    """At each step boundary, after the step's log row, before its checkpoint."""
+    """At each step boundary, after the step's log row, before its checkpoint. Raising a
+    ``StopAfterCheckpoint`` stops the run after a checkpoint of that step."""
     evaluate: Callable[[], dict[str, Any]] | None = None
     """Rank 0: scores of the current weights (e.g. ``eval.periodic.PeriodicEval``), logged as
     their own row before the first step of a fresh run, every ``eval_every`` steps and after
@@ -412,7 +418,13 @@ class Trainer:
                     # measure the window's training steps alone, over the time they took
                     t_last += time.perf_counter() - t_eval
                 if hooks.after_step is not None:
-                    hooks.after_step(step)
+                    try:
+                        hooks.after_step(step)
+                    except StopAfterCheckpoint:
+                        # nothing trained is lost: this step's checkpoint, then the error
+                        if self.checkpoints.newest_step() != step:
+                            self.save(step, hooks)
+                        raise
                 if saves:
                     self.save(step, hooks)
                 self.logger.advance(step)
