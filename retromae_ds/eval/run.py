@@ -252,67 +252,29 @@ def evaluate_beir(
     t = time.perf_counter()
     data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
     seconds["load"] = time.perf_counter() - t
-    missing_docs = check_beir(data)
-    if missing_docs:
-        print(
-            f"eval: warning: {len(missing_docs)} judged document(s) of {data.qrels_source} are "
-            f"not in {data.corpus_source} and count as misses (first: {missing_docs[:5]})",
-            file=sys.stderr,
-            flush=True,
-        )
-    requested_length, towers = max_length, None
-    if isinstance(encoder, (str, Path)):
-        model_name = str(encoder)
-        towers, (encoder, query_tower, spec) = load_newest(
-            encoder,
-            lambda found: load_towers(
-                found,
-                pooling,
-                normalize,
-                max_length,
-                queries=query_encoder is None,
-                batch_size=batch_size,
-                device=device,
-                amp_dtype=amp_dtype,
-                progress=progress,
-            ),
-        )
-        query_encoder = query_encoder or query_tower
-        pooling, normalize = spec.pooling, spec.normalize
-    else:
-        model_name = getattr(encoder, "__name__", type(encoder).__name__)
-    if isinstance(encoder, HFEncoder):  # the length it really uses, said when capped
-        if requested_length and encoder.capped_by and encoder.max_length < requested_length:
-            print(
-                f"eval: --max-length {requested_length} capped at {encoder.max_length}, "
-                f"{encoder.capped_by}",
-                file=sys.stderr,
-                flush=True,
-            )
-        max_length = encoder.max_length
-
+    missing_docs = _warn_missing(data)
+    # resolve: the towers and the settings they really use
+    model = _resolve(
+        encoder, query_encoder, pooling, normalize, max_length,
+        dict(batch_size=batch_size, device=device, amp_dtype=amp_dtype, progress=progress),
+    )  # fmt: skip
+    # encode
     t = time.perf_counter()
-    corpus_emb = encode_texts(encoder, data.corpus_texts, desc="corpus")
+    corpus_emb = encode_texts(model.encoder, data.corpus_texts, desc="corpus")
     seconds["encode_corpus"] = time.perf_counter() - t
     t = time.perf_counter()
-    query_emb = encode_texts(query_encoder or encoder, data.query_texts, desc="queries")
+    query_emb = encode_texts(model.query_encoder, data.query_texts, desc="queries")
     seconds["encode_queries"] = time.perf_counter() - t
     if query_emb.shape[1] != corpus_emb.shape[1]:
         raise ValueError(
             f"query embeddings have dimension {query_emb.shape[1]}, corpus {corpus_emb.shape[1]}"
         )
-
+    # score
     t = time.perf_counter()
     run, dropped = retrieve_counting(
-        query_emb,
-        corpus_emb,
-        data.query_ids,
-        data.corpus_ids,
-        max_cutoff(measures),
-        metric=metric,
-        backend=backend,
-        ignore_identical_ids=ignore_identical_ids,
-    )
+        query_emb, corpus_emb, data.query_ids, data.corpus_ids, max_cutoff(measures),
+        metric=metric, backend=backend, ignore_identical_ids=ignore_identical_ids,
+    )  # fmt: skip
     mean, per_query = evaluate_run(data.qrels, run, measures)
     seconds["search_and_metrics"] = time.perf_counter() - t
     judged_identical = identical_judged(data)
@@ -328,26 +290,17 @@ def evaluate_beir(
     reranked = None
     if rerank or candidates is not None:
         t = time.perf_counter()
-        if candidates is not None:
-            lists, source = load_candidates(candidates, data), str(candidates)
-        else:
-            lists = bm25_candidates(data, rerank_negatives)
-            source = f"positives + {rerank_negatives} BM25 negatives"
-        rr_mean, rr_per_query = evaluate_rerank(data, lists, query_emb, corpus_emb)
-        reranked = {
-            "candidates": source,
-            "num_queries": len(rr_per_query),
-            "metrics": rr_mean,
-            "per_query": rr_per_query,
-        }
+        reranked = _rerank(data, query_emb, corpus_emb, candidates, rerank_negatives)
         seconds["rerank"] = time.perf_counter() - t
 
     result = {
         "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
         "split": split,
-        "model": model_name,
-        "encoder_dir": None if towers is None else str(towers.passage),
-        "query_encoder_dir": None if towers is None or towers.query is None else str(towers.query),
+        "model": model.name,
+        "encoder_dir": None if model.towers is None else str(model.towers.passage),
+        "query_encoder_dir": (
+            None if model.towers is None or model.towers.query is None else str(model.towers.query)
+        ),
         "num_corpus": len(data.corpus_ids),
         "num_queries": len(per_query),
         "num_queries_skipped": len(data.qrels) - len(per_query),
@@ -355,20 +308,13 @@ def evaluate_beir(
         "identical_ids": {"dropped": dropped, "judged_relevant": judged_identical},
         "metrics": mean,
         "settings": {
-            "pooling": pooling,
-            "normalize": normalize,
-            "max_length": max_length,
-            **(
-                {"max_length_requested": requested_length}
-                if requested_length and requested_length != max_length
-                else {}
-            ),
+            **model.settings(),
             "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None,
             "metric": metric,
             "ignore_identical_ids": ignore_identical_ids,
             "dim": int(corpus_emb.shape[1]),
             # where the encoder ran (an encoder given as a callable: not known here)
-            "device": str(encoder.device) if isinstance(encoder, HFEncoder) else None,
+            "device": str(model.encoder.device) if isinstance(model.encoder, HFEncoder) else None,
         },
         "seconds": {name: round(value, 3) for name, value in seconds.items()},
         "per_query": per_query,
@@ -382,6 +328,104 @@ def evaluate_beir(
         if verbose:
             print(f"wrote {out_json}")
     return result
+
+
+def _warn_missing(data: BeirData) -> list[str]:
+    """Judged documents not in the corpus (they count as misses), said in one line."""
+    missing_docs = check_beir(data)
+    if missing_docs:
+        print(
+            f"eval: warning: {len(missing_docs)} judged document(s) of {data.qrels_source} are "
+            f"not in {data.corpus_source} and count as misses (first: {missing_docs[:5]})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return missing_docs
+
+
+@dataclass
+class _Resolved:
+    """The encoders an evaluation runs and the settings they really use."""
+
+    name: str
+    encoder: Encoder
+    query_encoder: Encoder
+    towers: Towers | None
+    """The folders the towers came from (None for a callable)."""
+    pooling: str
+    normalize: bool | None
+    max_length: int | None
+    requested_length: int | None
+
+    def settings(self) -> dict[str, Any]:
+        capped = self.requested_length and self.requested_length != self.max_length
+        return {
+            "pooling": self.pooling,
+            "normalize": self.normalize,
+            "max_length": self.max_length,
+            **({"max_length_requested": self.requested_length} if capped else {}),
+        }
+
+
+def _resolve(
+    encoder: str | Path | Encoder,
+    query_encoder: Encoder | None,
+    pooling: str,
+    normalize: bool | None,
+    max_length: int | None,
+    load: dict[str, Any],
+) -> _Resolved:
+    """A folder's towers loaded (its newest checkpoint that verifies; its own pooling,
+    normalisation and length where asked ``auto`` / None), or the callable as given; a
+    length capped by the model said in one line."""
+    requested, towers = max_length, None
+    if isinstance(encoder, (str, Path)):
+        name = str(encoder)
+        towers, (encoder, query_tower, spec) = load_newest(
+            encoder,
+            lambda found: load_towers(
+                found, pooling, normalize, max_length, queries=query_encoder is None, **load
+            ),
+        )
+        query_encoder = query_encoder or query_tower
+        pooling, normalize = spec.pooling, spec.normalize
+    else:
+        name = getattr(encoder, "__name__", type(encoder).__name__)
+    if isinstance(encoder, HFEncoder):  # the length it really uses, said when capped
+        if requested and encoder.capped_by and encoder.max_length < requested:
+            print(
+                f"eval: --max-length {requested} capped at {encoder.max_length}, "
+                f"{encoder.capped_by}",
+                file=sys.stderr,
+                flush=True,
+            )
+        max_length = encoder.max_length
+    return _Resolved(
+        name, encoder, query_encoder or encoder, towers, pooling, normalize, max_length, requested
+    )
+
+
+def _rerank(
+    data: BeirData,
+    query_emb: np.ndarray,
+    corpus_emb: np.ndarray,
+    candidates: str | Path | None,
+    negatives: int,
+) -> dict[str, Any]:
+    """Each query's candidates (the JSONL ``candidates``, else its positives and
+    ``negatives`` BM25 negatives) reranked by the embeddings: the ``rerank`` result."""
+    if candidates is not None:
+        lists, source = load_candidates(candidates, data), str(candidates)
+    else:
+        lists = bm25_candidates(data, negatives)
+        source = f"positives + {negatives} BM25 negatives"
+    mean, per_query = evaluate_rerank(data, lists, query_emb, corpus_emb)
+    return {
+        "candidates": source,
+        "num_queries": len(per_query),
+        "metrics": mean,
+        "per_query": per_query,
+    }
 
 
 @dataclass(kw_only=True)
