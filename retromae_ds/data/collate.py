@@ -97,7 +97,58 @@ class PretrainCollator:
         self._replacements = np.flatnonzero(~is_special).astype(np.int64)
 
     def __call__(self, items: list[tuple[int, np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
-        sp, cfg = self.special, self.masking
+        t = self._token_layout(items)
+        special_token = np.isin(t.content_ids, self._special_ids)
+        masked_content = self._choose_words(t, special_token)
+        input_ids, labels = self._replace(t, masked_content)
+        ids, word_ids = t.ids, t.word_ids
+        attention_mask = (np.arange(t.L)[None, :] < t.lengths[:, None]).astype(np.int64)
+        if self.decoder:
+            decoder_labels = np.full((t.B, t.L), IGNORE, dtype=np.int64)
+            decoder_labels[t.rows, t.cols] = np.where(special_token, IGNORE, t.content_ids)
+        if self.pack:
+            # the same rows, masked the same way, laid end to end (see the class doc)
+            layout = PackedLayout.first_fit(t.lengths, self.max_length, self.pad_to_multiple_of)
+            input_ids = layout.scatter(input_ids, self.special.pad)
+            labels = layout.scatter(labels, IGNORE)
+            attention_mask = layout.scatter(attention_mask, 0)
+            if self.decoder:
+                ids = layout.scatter(ids, self.special.pad)
+                decoder_labels = layout.scatter(decoder_labels, IGNORE)
+                word_ids = layout.scatter(word_ids, -1)
+        batch = {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "labels": torch.from_numpy(labels),
+            # where the labels are, flat (b * L + i, row-major): the model gathers the
+            # predicted positions with them, so their number is known on the host and a GPU
+            # never waits for a boolean mask's nonzero
+            "label_positions": torch.from_numpy(np.flatnonzero(labels.ravel() != IGNORE)),
+            "sample_index": torch.from_numpy(t.indices),
+        }
+        if self.pack:
+            batch.update(
+                doc_ids=torch.from_numpy(layout.doc_ids),
+                position_ids=torch.from_numpy(layout.position_ids),
+            )
+        if self.decoder:
+            positions = np.flatnonzero(decoder_labels.ravel() != IGNORE)
+            batch.update(
+                original_ids=torch.from_numpy(ids),
+                decoder_labels=torch.from_numpy(decoder_labels),
+                decoder_label_positions=torch.from_numpy(positions),
+                word_ids=torch.from_numpy(word_ids),
+                lengths=torch.from_numpy(t.lengths),
+                decoder_seed=torch.from_numpy(
+                    row_seeds(self.seed, self.epoch, t.indices, STREAM_DECODER) & MASK32
+                ),
+            )
+        return batch
+
+    def _token_layout(self, items: list[tuple[int, np.ndarray, np.ndarray]]) -> _TokenLayout:
+        """The batch's rows ``[CLS] tokens [SEP]`` padded to a multiple, and each token's word
+        (``_TokenLayout``)."""
+        sp = self.special
         indices = np.fromiter((it[0] for it in items), dtype=np.int64, count=len(items))
         n = np.fromiter((len(it[1]) for it in items), dtype=np.int64, count=len(items))
         if len(items) == 0:
@@ -130,86 +181,75 @@ class PretrainCollator:
         word_ids[:, 0] = 0
         word_ids[rows, cols] = token_word
         word_ids[np.arange(B), n + 1] = words_per_row + 1
+        return _TokenLayout(
+            indices, B, L, n, lengths, content_ids, rows, cols, ids, word_ids, words_per_row,
+            token_word,
+        )  # fmt: skip
 
-        # ---- encoder: exactly round(ratio * words) whole words per row, chosen by hash keys.
-        # Words holding a special id (an [UNK] inside the text) are never candidates.
-        seeds_words = row_seeds(self.seed, self.epoch, indices, STREAM_WORDS)
-        word_row = np.repeat(np.arange(B), words_per_row)
-        word_first = np.cumsum(words_per_row) - words_per_row
+    def _choose_words(self, t: _TokenLayout, special_token: np.ndarray) -> np.ndarray:
+        """Per content token, whether its word is masked in the encoder's input: exactly
+        round(ratio × candidate words) whole words per row, chosen by hash keys. Words
+        holding a special id (an [UNK] inside the text) are never candidates."""
+        B = t.B
+        seeds_words = row_seeds(self.seed, self.epoch, t.indices, STREAM_WORDS)
+        word_row = np.repeat(np.arange(B), t.words_per_row)
+        word_first = np.cumsum(t.words_per_row) - t.words_per_row
         word_num = np.arange(len(word_row)) - word_first[word_row] + 1  # 1..W_b
-        token_flat_word = word_first[rows] + token_word - 1
-        special_token = np.isin(content_ids, self._special_ids)
+        token_flat_word = word_first[t.rows] + t.token_word - 1
         candidate = np.bincount(token_flat_word[special_token], minlength=len(word_row)) == 0
         keys = np.where(candidate, hash3(seeds_words[word_row], word_num, np.int64(0)), 2**33)
         order = np.lexsort((word_num, keys, word_row))  # by row, then key (ties: word number)
         rank = np.empty_like(order)
         rank[order] = np.arange(len(order)) - word_first[word_row[order]]
         candidates_per_row = np.bincount(word_row[candidate], minlength=B)
-        k_row = np.floor(cfg.encoder_ratio * candidates_per_row + 0.5).astype(np.int64)
+        k_row = np.floor(self.masking.encoder_ratio * candidates_per_row + 0.5).astype(np.int64)
         chosen_word = (rank < k_row[word_row]) & candidate
-        masked_content = chosen_word[token_flat_word]
+        return chosen_word[token_flat_word]
 
-        labels = np.full((B, L), IGNORE, dtype=np.int64)
-        m_rows, m_cols = rows[masked_content], cols[masked_content]
-        labels[m_rows, m_cols] = content_ids[masked_content]
+    def _replace(
+        self, t: _TokenLayout, masked_content: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(the encoder's input ids, its MLM labels): each masked token becomes [MASK], a
+        random token or itself, by hash (BERT's 80/10/10 by default)."""
+        cfg, sp = self.masking, self.special
+        labels = np.full((t.B, t.L), IGNORE, dtype=np.int64)
+        m_rows, m_cols = t.rows[masked_content], t.cols[masked_content]
+        labels[m_rows, m_cols] = t.content_ids[masked_content]
         u = hash3(
-            row_seeds(self.seed, self.epoch, indices, STREAM_REPLACE)[m_rows], m_cols, np.int64(1)
+            row_seeds(self.seed, self.epoch, t.indices, STREAM_REPLACE)[m_rows], m_cols, np.int64(1)
         )
         to_mask = u < threshold(cfg.replace_mask)
         to_random = ~to_mask & (u < threshold(cfg.replace_mask + cfg.replace_random))
-        input_ids = ids.copy()
+        input_ids = t.ids.copy()
         input_ids[m_rows[to_mask], m_cols[to_mask]] = sp.mask
         r = hash3(
-            row_seeds(self.seed, self.epoch, indices, STREAM_RANDOM)[m_rows[to_random]],
+            row_seeds(self.seed, self.epoch, t.indices, STREAM_RANDOM)[m_rows[to_random]],
             m_cols[to_random],
             np.int64(2),
         )
         input_ids[m_rows[to_random], m_cols[to_random]] = self._replacements[
             r % len(self._replacements)
         ]
+        return input_ids, labels
 
-        attention_mask = (np.arange(L)[None, :] < lengths[:, None]).astype(np.int64)
-        if self.decoder:
-            decoder_labels = np.full((B, L), IGNORE, dtype=np.int64)
-            decoder_labels[rows, cols] = np.where(special_token, IGNORE, content_ids)
-        if self.pack:
-            # the same rows, masked the same way, laid end to end (see the class doc)
-            layout = PackedLayout.first_fit(lengths, self.max_length, self.pad_to_multiple_of)
-            input_ids = layout.scatter(input_ids, sp.pad)
-            labels = layout.scatter(labels, IGNORE)
-            attention_mask = layout.scatter(attention_mask, 0)
-            if self.decoder:
-                ids = layout.scatter(ids, sp.pad)
-                decoder_labels = layout.scatter(decoder_labels, IGNORE)
-                word_ids = layout.scatter(word_ids, -1)
-        batch = {
-            "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(attention_mask),
-            "labels": torch.from_numpy(labels),
-            # where the labels are, flat (b * L + i, row-major): the model gathers the
-            # predicted positions with them, so their number is known on the host and a GPU
-            # never waits for a boolean mask's nonzero
-            "label_positions": torch.from_numpy(np.flatnonzero(labels.ravel() != IGNORE)),
-            "sample_index": torch.from_numpy(indices),
-        }
-        if self.pack:
-            batch.update(
-                doc_ids=torch.from_numpy(layout.doc_ids),
-                position_ids=torch.from_numpy(layout.position_ids),
-            )
-        if self.decoder:
-            positions = np.flatnonzero(decoder_labels.ravel() != IGNORE)
-            batch.update(
-                original_ids=torch.from_numpy(ids),
-                decoder_labels=torch.from_numpy(decoder_labels),
-                decoder_label_positions=torch.from_numpy(positions),
-                word_ids=torch.from_numpy(word_ids),
-                lengths=torch.from_numpy(lengths),
-                decoder_seed=torch.from_numpy(
-                    row_seeds(self.seed, self.epoch, indices, STREAM_DECODER) & MASK32
-                ),
-            )
-        return batch
+
+@dataclass(frozen=True)
+class _TokenLayout:
+    """One batch laid out: row b is ``[CLS] tokens [SEP]`` padded to ``L``; the content
+    tokens flat (``content_ids``) at ``(rows, cols)``; each token's word number."""
+
+    indices: np.ndarray  # [B] sample indices
+    B: int
+    L: int
+    n: np.ndarray  # [B] content tokens per row
+    lengths: np.ndarray  # [B] n + 2
+    content_ids: np.ndarray  # [N] every row's tokens, flat
+    rows: np.ndarray  # [N] the row of each
+    cols: np.ndarray  # [N] its column (1..n_b)
+    ids: np.ndarray  # [B, L] the original ids
+    word_ids: np.ndarray  # [B, L] CLS 0, words 1..W_b, SEP W_b + 1, padding -1
+    words_per_row: np.ndarray  # [B] W_b
+    token_word: np.ndarray  # [N] each token's word number (1..W_b)
 
 
 @dataclass(frozen=True)
