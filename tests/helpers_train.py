@@ -18,6 +18,21 @@ ENV = {
 }
 
 
+TINY = [
+    "--progress", "false",
+    "--model.encoder.name", "tiny",
+    "--model.encoder.max_position_embeddings", "64",
+]  # fmt: skip
+"""Quiet, the ``tiny`` preset at 64 positions: what every pre-training test runs."""
+TINY_TRAIN = [*TINY, "--micro_batch_size", "8", "--optim.lr", "1e-3", "--optim.warmup_steps", "2"]
+"""``TINY`` with the batch and learning rate the short test runs train at."""
+
+
+def pretrain_args(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
+    """``retromae_ds.pretrain``'s arguments on ``shards`` into ``run_dir`` with ``TINY_TRAIN``."""
+    return ["--data.shards", str(shards), "--run_dir", str(run_dir), *TINY_TRAIN, *overrides]
+
+
 def pretrain(
     run_dir: Path,
     shards: Path,
@@ -27,25 +42,7 @@ def pretrain(
     env: dict | None = None,
     check: bool = True,
 ):
-    args = [
-        "--data.shards",
-        str(shards),
-        "--run_dir",
-        str(run_dir),
-        "--progress",
-        "false",
-        "--model.encoder.name",
-        "tiny",
-        "--model.encoder.max_position_embeddings",
-        "64",
-        "--micro_batch_size",
-        "8",
-        "--optim.lr",
-        "1e-3",
-        "--optim.warmup_steps",
-        "2",
-        *overrides,
-    ]
+    args = pretrain_args(shards, run_dir, *overrides)
     if ranks == 1:
         cmd = [sys.executable, "-m", "retromae_ds.pretrain", *args]
     elif launcher == "deepspeed":

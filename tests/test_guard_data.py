@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_train import ENV, REPO
+from helpers_train import ENV, REPO, TINY
 
 from retromae_ds.cli import main
 from retromae_ds.data.dataset import ShardDataset
@@ -152,12 +152,7 @@ def test_an_unreadable_shard_is_refused_by_inspect_and_before_training(corpus, t
         str(out),
         "--run_dir",
         str(run_dir),
-        "--progress",
-        "false",
-        "--model.encoder.name",
-        "tiny",
-        "--model.encoder.max_position_embeddings",
-        "64",
+        *TINY,
         "--max_steps",
         "4",
     ]

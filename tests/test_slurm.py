@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers_train import TINY_TRAIN
 from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes, wait_for
 
 from retromae_ds import faults
@@ -39,18 +40,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 MAX_STEPS = 20
 TRAIN = [
-    "--progress",
-    "false",
-    "--model.encoder.name",
-    "tiny",
-    "--model.encoder.max_position_embeddings",
-    "64",
-    "--micro_batch_size",
-    "8",
-    "--optim.lr",
-    "1e-3",
-    "--optim.warmup_steps",
-    "2",
+    *TINY_TRAIN,
     "--max_steps",
     str(MAX_STEPS),
     "--log_every",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import ENV, REPO, free_port, metrics, pretrain
+from helpers_train import ENV, REPO, TINY, free_port, metrics, pretrain
 from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds import faults
@@ -307,28 +307,10 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 
     run = tmp_path / "run"
     args = [
-        sys.executable,
-        "-m",
-        "retromae_ds.pretrain",
-        "--data.shards",
-        str(synthetic_shards),
-        "--run_dir",
-        str(run),
-        "--progress",
-        "false",
-        "--model.encoder.name",
-        "tiny",
-        "--model.encoder.max_position_embeddings",
-        "64",
-        "--micro_batch_size",
-        "8",
-        "--max_steps",
-        "30",
-        "--log_every",
-        "1",
-        "--deepspeed.timeout_s",
-        "60",
-    ]
+        sys.executable, "-m", "retromae_ds.pretrain", "--data.shards", str(synthetic_shards),
+        "--run_dir", str(run), *TINY, "--micro_batch_size", "8", "--max_steps", "30",
+        "--log_every", "1", "--deepspeed.timeout_s", "60",
+    ]  # fmt: skip
     common = {
         **ENV,
         "WORLD_SIZE": "2",
