@@ -17,7 +17,24 @@ import numpy as np
 import pyarrow as pa
 
 from retromae_ds.data import schema
-from retromae_ds.data.preprocess import sha256_file, shard_name
+from retromae_ds.data.preprocess import PreprocessConfig, sha256_file, shard_name
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    """``texts`` as a JSONL corpus (ids ``doc0``, ``doc1``, ...)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"_id": f"doc{i}", "text": text}) + "\n")
+    return path
+
+
+def preprocess_config(inputs, out, tokenizer_dir=None, **kw) -> PreprocessConfig:
+    """A quiet ``PreprocessConfig`` of ``inputs`` into ``out`` (32 tokens unless said)."""
+    if tokenizer_dir is not None:
+        kw["tokenizer"] = str(tokenizer_dir)
+    kw.setdefault("max_length", 32)
+    return PreprocessConfig(inputs=[str(p) for p in inputs], out=str(out), progress=False, **kw)
+
 
 SYNTHETIC_TOKENIZER: dict[str, Any] = {
     "class": "SyntheticTokenizer",

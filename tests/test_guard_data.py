@@ -23,21 +23,9 @@ from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.fsutil import sha256_file
 
+from helpers_shards import preprocess_config as config
+from helpers_shards import write_jsonl
 from synthetic import synthetic_texts
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    with open(path, "w", encoding="utf-8") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"_id": f"doc{i}", "text": text}) + "\n")
-    return path
-
-
-def config(inputs, out, tokenizer_dir=None, **kw) -> PreprocessConfig:
-    if tokenizer_dir is not None:
-        kw["tokenizer"] = str(tokenizer_dir)
-    kw.setdefault("max_length", 32)
-    return PreprocessConfig(inputs=[str(p) for p in inputs], out=str(out), progress=False, **kw)
 
 
 def flip_byte(path: Path) -> None:

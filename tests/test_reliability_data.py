@@ -16,27 +16,14 @@ import pytest
 
 from retromae_ds.cli import main
 from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
+from retromae_ds.data.preprocess import run_preprocess
 from retromae_ds.fsutil import atomic_write_text
 
+from helpers_shards import preprocess_config as config
+from helpers_shards import write_jsonl
 from synthetic import synthetic_texts
 
 DEAD_PID = 9_999_999  # above Linux's largest pid_max (2**22): never a live process
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    with open(path, "w", encoding="utf-8") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"_id": f"doc{i}", "text": text}) + "\n")
-    return path
-
-
-def config(inputs, out, tokenizer_dir=None, **kw) -> PreprocessConfig:
-    if tokenizer_dir is not None:
-        kw["tokenizer"] = str(tokenizer_dir)
-    return PreprocessConfig(
-        inputs=[str(p) for p in inputs], out=str(out), progress=False, max_length=32, **kw
-    )
 
 
 def mode(path: Path) -> int:
