@@ -153,3 +153,38 @@ def _versions(run: Path) -> list[tuple[int, int]]:
     from retromae_recipes.finetune import _versions_by_step
 
     return _versions_by_step(run / "metrics.jsonl")
+
+
+def test_a_padded_training_corpus_keeps_every_judged_passage_and_is_refused_otherwise(tmp_path):
+    """``--train-corpus``: the recipe trains and mines on another corpus.jsonl beside the
+    split's queries and qrels (links, written whole), and refuses one that lacks a judged
+    passage or holds a line that is not BEIR's, naming the file and the line."""
+    from retromae_recipes.finetune import with_corpus
+
+    beir = tmp_path / "beir"
+    (beir / "qrels").mkdir(parents=True)
+    docs = [{"_id": f"d{i}", "title": "", "text": f"text {i}"} for i in range(4)]
+    (beir / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (beir / "queries.jsonl").write_text(json.dumps({"_id": "q0", "text": "a query"}) + "\n")
+    (beir / "qrels" / "train.tsv").write_text("query-id\tcorpus-id\tscore\nq0\td1\t1\n")
+    (beir / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\nq0\td3\t1\n")
+    padded = tmp_path / "padded.jsonl"
+    extra = [{"_id": f"pad{i}", "title": "", "text": f"pad {i}"} for i in range(3)]
+    padded.write_text("".join(json.dumps(d) + "\n" for d in docs + extra))
+    out = with_corpus(beir, padded, tmp_path / "train")
+    assert (out / "corpus.jsonl").resolve() == padded.resolve()
+    assert (out / "qrels" / "train.tsv").read_text() == (beir / "qrels" / "train.tsv").read_text()
+    assert with_corpus(beir, padded, tmp_path / "train") == out  # kept
+    assert not (tmp_path / "train.partial").exists()
+
+    lacking = tmp_path / "lacking.jsonl"
+    lacking.write_text("".join(json.dumps(d) + "\n" for d in docs[:3] + extra))
+    with pytest.raises(ValueError, match=r"lacking.jsonl: 1 judged passages .* missing.*d3"):
+        with_corpus(beir, lacking, tmp_path / "train2")
+    assert not (tmp_path / "train2").exists()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(docs[0]) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not a BEIR corpus line"):
+        with_corpus(beir, broken, tmp_path / "train3")
+    with pytest.raises(ValueError, match="holds another corpus"):
+        with_corpus(beir, lacking, tmp_path / "train")
