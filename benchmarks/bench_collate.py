@@ -160,11 +160,11 @@ def real_stream(args, scratch: Path):
     """(ids, word_starts, vocab, special) of WikiText-2 test, as our shards hold it."""
     import numpy as np
 
+    from retromae_ds.base.special_tokens import SpecialIds
     from retromae_ds.data.dataset import ShardDataset
     from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
     from retromae_ds.data.sources import InputError, SourceOptions, expand_inputs
     from retromae_ds.data.tokenizer import load_tokenizer
-    from retromae_ds.special_tokens import SpecialIds
 
     wiki = Path(args.data) / common.WIKI
     if not wiki.exists():
@@ -199,7 +199,7 @@ def synthetic_stream(tokens: int, seed: int):
     """Random WordPiece-like ids: ids >= 20000 are '##' continuations, ~78 % word starts."""
     import numpy as np
 
-    from retromae_ds.special_tokens import SpecialIds
+    from retromae_ds.base.special_tokens import SpecialIds
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab += [f"w{k}" for k in range(5, 20000)] + [f"##p{k}" for k in range(20000, 30522)]

@@ -85,7 +85,7 @@ def main() -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    from retromae_ds.config import to_dict
+    from retromae_ds.base.config import to_dict
     from retromae_recipes.finetune import Recipe, RecipeConfig
 
     scifact = Path(args.data) / "scifact"

@@ -50,10 +50,10 @@ def _one(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
+    from retromae_ds.base.special_tokens import SpecialIds
     from retromae_ds.data.collate import MaskingConfig, PretrainCollator
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
     from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
-    from retromae_ds.special_tokens import SpecialIds
 
     variant = VARIANTS[args.variant]
     device = torch.device(args.device)

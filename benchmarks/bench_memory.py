@@ -29,7 +29,7 @@ from retromae_ds.components.memory import release_freed_memory
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
-from retromae_ds.special_tokens import SpecialIds
+from retromae_ds.base.special_tokens import SpecialIds
 
 VOCAB, steps, every = 30522, {steps}, {every}
 special = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=VOCAB)

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from retromae_ds.base.special_tokens import SpecialIds  # noqa: E402
 from retromae_ds.components.optim import build_optimizer  # noqa: E402
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator  # noqa: E402
 from retromae_ds.data.dataset import ShardDataset  # noqa: E402
@@ -46,7 +47,6 @@ from retromae_ds.data.sampler import ResumableDistributedSampler  # noqa: E402
 from retromae_ds.data.sources import SourceOptions  # noqa: E402
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder  # noqa: E402
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel  # noqa: E402
-from retromae_ds.special_tokens import SpecialIds  # noqa: E402
 from retromae_ds.training.config import OptimConfig  # noqa: E402
 
 

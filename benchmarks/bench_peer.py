@@ -397,7 +397,7 @@ import json, sys, time
 import numpy as np
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.special_tokens import SpecialIds
+from retromae_ds.base.special_tokens import SpecialIds
 
 init, texts, shards, batch, n, peer, max_length = json.loads(sys.argv[1])
 ds = ShardDataset(shards)

@@ -40,12 +40,12 @@ CUDA_PEAK_TFLOPS = {"bf16": 989.0, "fp32": 494.0}
 def _imports(device: str):
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from retromae_ds.base.special_tokens import SpecialIds
     from retromae_ds.components import engine
     from retromae_ds.components.optim import build_optimizer
     from retromae_ds.data.collate import MaskingConfig, PretrainCollator
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
     from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
-    from retromae_ds.special_tokens import SpecialIds
     from retromae_ds.training.config import OptimConfig
 
     return (

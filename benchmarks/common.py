@@ -92,7 +92,7 @@ def read_documents(inputs: list[str], txt_mode: str) -> tuple[list[str], list[st
 
 
 def parse_size(text: str) -> int:
-    from retromae_ds.config import parse_size as _parse
+    from retromae_ds.base.config import parse_size as _parse
 
     return _parse(text)
 

@@ -31,12 +31,12 @@ def build(work: Path, shape: str, seed: int = 0):
     import numpy as np
     import torch
 
+    from retromae_ds.base.special_tokens import SpecialIds
     from retromae_ds.components.optim import build_optimizer
     from retromae_ds.data.collate import MaskingConfig, PretrainCollator
     from retromae_ds.data.dataset import ShardDataset
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
     from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
-    from retromae_ds.special_tokens import SpecialIds
     from retromae_ds.training.config import OptimConfig
 
     torch.manual_seed(seed)

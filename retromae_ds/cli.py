@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from retromae_ds.config import HelpWithDefaults, flag_parser, parse_flags
-from retromae_ds.errors import USER_ERRORS, run_reporting
+from retromae_ds.base.config import HelpWithDefaults, flag_parser, parse_flags
+from retromae_ds.base.errors import USER_ERRORS, run_reporting
 
 COMMANDS = "retromae_ds.commands"
 """Entry-point group of the commands other packages add: each entry is a callable that adds

@@ -4,7 +4,7 @@
 newest complete checkpoint is used). OUT gets the encoder body (safetensors), its config and
 tokenizer, loadable with ``AutoModel.from_pretrained``, plus the sentence-transformers files,
 so ``SentenceTransformer(OUT)`` gives the training-time sentence embedding: the encoder's own
-pooling, normalisation and length (``retromae_ds.sbert``: a fine-tuned encoder's
+pooling, normalisation and length (``retromae_ds.hf.sbert``: a fine-tuned encoder's
 ``dual_encoder.json``, else its sentence-transformers files, else CLS pooling -- the last-layer
 hidden state at position 0 -- unnormalised), or ``--pooling`` / ``--normalize`` given. The
 MLM head is left out; the complete masked-LM model (for continued pre-training) stays in the
@@ -57,7 +57,9 @@ from pathlib import Path
 
 import torch
 
-from retromae_ds import sbert
+from retromae_ds.base.config import flag
+from retromae_ds.base.errors import disk_full_error
+from retromae_ds.base.fsutil import chmod_tree_as_created
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import (
     COMPLETE,
@@ -67,11 +69,9 @@ from retromae_ds.components.layout import (
     STEP_DIR,
     RunLayout,
 )
-from retromae_ds.config import flag
-from retromae_ds.errors import disk_full_error
 from retromae_ds.eval.towers import still_there
-from retromae_ds.fsutil import chmod_tree_as_created
-from retromae_ds.hfutil import load_tokenizer_checked, quiet_transformers
+from retromae_ds.hf import sbert
+from retromae_ds.hf.util import load_tokenizer_checked, quiet_transformers
 from retromae_ds.modeling.load import HEAD_PREFIXES, load_pretrained, load_with_head
 from retromae_ds.modeling.positions import usable_positions
 

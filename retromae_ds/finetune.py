@@ -45,7 +45,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from retromae_ds import sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.batches import BatchBuilder, batch_stream
@@ -53,13 +52,14 @@ from retromae_ds.ance.bm25 import publish_bm25
 from retromae_ds.ance.feed import NegativesConfig, NegativesFeed
 from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.base.config import resumable, to_dict
+from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.components import engine as eng
 from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
-from retromae_ds.config import resumable, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
-from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.hf import sbert
 from retromae_ds.training.config import OptimConfig, RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
 
@@ -114,7 +114,7 @@ class DualModelConfig:
 
     def resolve(self, init_dir: Path) -> tuple[sbert.EmbeddingSpec, float]:
         """(the embedding settings to train with, the temperature): explicit settings over
-        the init's own (``retromae_ds.sbert``)."""
+        the init's own (``retromae_ds.hf.sbert``)."""
         spec = sbert.resolve(init_dir, self.pooling, self.normalize, self.bow_topk)
         temperature = self.temperature or (NORMALIZED_TEMPERATURE if spec.normalize else 1.0)
         return spec, temperature

@@ -21,10 +21,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from retromae_ds.base.config import resumable
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components import engine as eng
 from retromae_ds.components.layout import ENCODER
 from retromae_ds.components.signals import StopSignals
-from retromae_ds.config import resumable
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
@@ -32,7 +33,6 @@ from retromae_ds.eval.periodic import PeriodicEvalConfig
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
-from retromae_ds.special_tokens import SpecialIds
 from retromae_ds.training.config import RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
 
@@ -259,7 +259,7 @@ def check_vocabulary(
     Returns the folder checked (a run's newest verified encoder: ``resolve_encoder``), None
     for a preset."""
     from retromae_ds.components.checkpoint import resolve_encoder
-    from retromae_ds.hfutil import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
+    from retromae_ds.hf.util import TOKENIZER_FILES, config_vocab_size, load_tokenizer_checked
 
     if not Path(encoder.name).is_dir():
         return None

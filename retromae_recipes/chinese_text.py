@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.base.fsutil import atomic_write_text
 
 NAME = "peoples_daily_1998.txt"
 

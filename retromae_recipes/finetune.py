@@ -12,7 +12,7 @@ with ANCE negatives, several seeds, against BM25 and the un-fine-tuned model.
    (``negatives.mine_first``) and then from every checkpoint (the false-negative filter
    ``refresh.mining.max_score_ratio`` is available and off: see ``RecipeConfig``). Both arms draw
    their negatives from the top 30 of their ranking. Pooling, normalisation and temperature are the init's own
-   (``retromae_ds.sbert``: MiniLM is mean-pooled and normalised, so cosine / 0.05). The
+   (``retromae_ds.hf.sbert``: MiniLM is mean-pooled and normalised, so cosine / 0.05). The
    data is tokenized once (``out/prepared``) for every run, and the ANCE runs share an
    embedding cache (``out/embedding_cache``): their step-0 checkpoints are all the init, so
    the first seed encodes the corpus with it and the others load that.
@@ -41,16 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+from retromae_ds.base.config import to_dict
+from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.layout import RunLayout
-from retromae_ds.config import to_dict
 from retromae_ds.finetune import (
     DualModelConfig,
     FinetuneConfig,
     FinetuneDataConfig,
     NegativesConfig,
 )
-from retromae_ds.fsutil import atomic_write_text
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
 from retromae_recipes.report import compare
@@ -355,9 +355,9 @@ class Recipe:
         import numpy as np
         from sentence_transformers import SentenceTransformer
 
-        from retromae_ds import sbert
         from retromae_ds.eval.encode import HFEncoder
         from retromae_ds.export import export_encoder
+        from retromae_ds.hf import sbert
 
         out = self.out / "export" / f"{arm}_s{seed}"
         if not (out / "export.json").is_file():

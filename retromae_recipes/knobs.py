@@ -76,7 +76,7 @@ def combined(name: str) -> dict[str, Any]:
 
 def _current(cfg: dict[str, Any]) -> dict[str, Any]:
     """A saved pre-training config with the fields renamed since under their new names."""
-    from retromae_ds.config import apply_renamed
+    from retromae_ds.base.config import apply_renamed
     from retromae_ds.pretrain import PretrainConfig
 
     return apply_renamed(PretrainConfig, cfg, quiet=True)
@@ -120,7 +120,7 @@ def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _fields() -> dict[str, Any]:
-    from retromae_ds.config import flat_defaults
+    from retromae_ds.base.config import flat_defaults
     from retromae_ds.pretrain import PretrainConfig
 
     return flat_defaults(PretrainConfig)

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.fsutil import atomic_write_text
+from retromae_ds.base.fsutil import atomic_write_text
 from retromae_recipes.common import pyplot, save_figure
 
 ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "seed_strong")
@@ -28,7 +28,7 @@ ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "seed_strong")
 decoder); the pre-training objectives proper are
 ``retromae_ds.modeling.objectives.OBJECTIVES``."""
 HEAD_POOLINGS = ("dupmae_bow", "dupmae")
-"""DupMAE's poolings (``retromae_ds.sbert.HEAD_POOLINGS``, in report order): the ordinary
+"""DupMAE's poolings (``retromae_ds.hf.sbert.HEAD_POOLINGS``, in report order): the ordinary
 tokens' top-k vector through the MLM head, and [CLS] concatenated with it."""
 POOLING_ORDER = ("cls", "mean", *HEAD_POOLINGS)
 """Poolings in report order."""

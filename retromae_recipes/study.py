@@ -49,10 +49,10 @@ from pathlib import Path
 from typing import Any
 
 from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.base.config import to_dict
 from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.layout import RunLayout
-from retromae_ds.config import to_dict
 from retromae_ds.data.collate import MaskingConfig
 from retromae_ds.eval.periodic import PeriodicEvalConfig
 from retromae_ds.finetune import (
@@ -61,7 +61,7 @@ from retromae_ds.finetune import (
     FinetuneDataConfig,
     NegativesConfig,
 )
-from retromae_ds.hfutil import quiet_transformers
+from retromae_ds.hf.util import quiet_transformers
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig
 from retromae_ds.pretrain import DataConfig, ModelConfig, PretrainConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from retromae_ds.data.segment import SEGMENTERS
-from retromae_ds.sbert import DEFAULT_BOW_TOPK
+from retromae_ds.hf.sbert import DEFAULT_BOW_TOPK
 from retromae_recipes.report import ARMS, HEAD_POOLINGS, STAGES
 
 STARTS = ("scratch", "minilm", "bert")

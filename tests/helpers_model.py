@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
-from retromae_ds.special_tokens import SpecialIds
 
 SPECIAL = SpecialIds(cls=2, sep=3, pad=0, mask=4, all=(0, 1, 2, 3, 4), vocab_size=60)
 

@@ -18,7 +18,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 from retromae_ds.ance.mining import (
@@ -27,6 +26,7 @@ from retromae_ds.ance.mining import (
     mine,
     positive_scores,
 )
+from retromae_ds.base import faults
 from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import (

@@ -26,10 +26,11 @@ import numpy as np
 import pytest
 import torch
 
-from retromae_ds import faults, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
+from retromae_ds.base import faults
 from retromae_ds.components.layout import QUERY_ENCODER, RunLayout
+from retromae_ds.hf import sbert
 
 from helpers_ance import (
     ENV,

@@ -16,12 +16,12 @@ from helpers_train import ENV, REPO, metrics, pretrain
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from retromae_ds.base.special_tokens import IGNORE, SpecialIds
 from retromae_ds.data import segment
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.rows import make_backend, tokenize_documents
 from retromae_ds.data.tokenizer import backend_json, fingerprint, make_wordpiece, train_wordpiece
-from retromae_ds.special_tokens import IGNORE, SpecialIds
 
 jieba = pytest.importorskip("jieba", reason="the chinese extra (jieba) is not installed")
 

@@ -22,11 +22,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from retromae_ds.attention.rules import two_stream_visible_dense
+from retromae_ds.base.special_tokens import IGNORE, SpecialIds
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.tokenizer import fingerprint
-from retromae_ds.special_tokens import IGNORE, SpecialIds
 
 from synthetic import synthetic_texts
 

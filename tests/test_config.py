@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from retromae_ds.components.engine import build_ds_config
-from retromae_ds.components.optim import lr_lambda
-from retromae_ds.config import (
+from retromae_ds.base.config import (
     build_config,
     field_docs,
     help_text,
@@ -20,6 +18,8 @@ from retromae_ds.config import (
     parse_config,
     parse_overrides,
 )
+from retromae_ds.components.engine import build_ds_config
+from retromae_ds.components.optim import lr_lambda
 from retromae_ds.pretrain import PretrainConfig
 from retromae_ds.training.config import OptimConfig
 
@@ -253,7 +253,7 @@ fields added since that a resumed run may change."""
 
 
 def test_resumable_fields_are_the_list_the_loop_held():
-    from retromae_ds.config import flat_defaults, resume_may_change
+    from retromae_ds.base.config import flat_defaults, resume_may_change
     from retromae_ds.finetune import FinetuneConfig
     from retromae_ds.pretrain import PretrainConfig
 
@@ -269,7 +269,7 @@ def test_resumable_fields_are_the_list_the_loop_held():
 def test_resume_accepts_a_field_added_since_at_its_default(tmp_path):
     """A run saved before a field existed resumes while the field holds its default (the old
     run's meaning), and refuses once it is set to anything else."""
-    from retromae_ds.config import to_dict
+    from retromae_ds.base.config import to_dict
     from retromae_ds.pretrain import DataConfig, PretrainConfig
     from retromae_ds.training.loop import check_resume_config
 
@@ -295,8 +295,8 @@ def test_a_renamed_field_is_read_under_its_old_name_with_one_note(tmp_path, caps
     not the collator): the old name works in a file and on the command line, noted once per
     process; both names at once is an error naming both; a run saved with the old name
     resumes, and refuses a different value under the new one."""
-    import retromae_ds.config as config
-    from retromae_ds.config import build_config, to_dict
+    import retromae_ds.base.config as config
+    from retromae_ds.base.config import build_config, to_dict
     from retromae_ds.pretrain import PretrainConfig
     from retromae_ds.training.loop import check_resume_config
 
@@ -340,9 +340,9 @@ def test_mining_settings_have_their_own_section_and_the_old_names_still_work(tmp
     (an old trainer's refresh_config.json) and in a saved run's config (which holds both
     device fields: the old one is what ran); the trainer refuses a refresh.run_dir that is
     not its own."""
-    import retromae_ds.config as config
+    import retromae_ds.base.config as config
     from retromae_ds.ance.refresh_config import RefreshConfig
-    from retromae_ds.config import build_config, to_dict
+    from retromae_ds.base.config import build_config, to_dict
     from retromae_ds.finetune import FinetuneConfig
     from retromae_ds.training.loop import check_resume_config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from retromae_ds.config import parse_size
+from retromae_ds.base.config import parse_size
 from retromae_ds.data.builtin_corpus import iter_documents
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ import torch
 from helpers_train import metrics, pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds import sbert
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
+from retromae_ds.hf import sbert
 from retromae_ds.modeling.bow import max_pooled_logits, max_pooled_logits_plain
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel

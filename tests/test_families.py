@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.special_tokens import SpecialIds
 
 from synthetic import synthetic_texts
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from helpers_train import ENV, REPO, TINY
 
+from retromae_ds.base.fsutil import sha256_file
 from retromae_ds.cli import main
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.fsutil import sha256_file
 
 from helpers_shards import preprocess_config as config
 from helpers_shards import write_jsonl

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-from retromae_ds import sbert
 from retromae_ds.cli import main
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import step_tag
+from retromae_ds.hf import sbert
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from helpers_disk import fill, small_disk
 
-from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
+from retromae_ds.base import faults
 from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
@@ -487,8 +487,8 @@ def test_refresh_on_a_folder_that_is_not_a_finetuning_run_is_refused_creating_no
     """A typo, a file, an empty folder or a pre-training run as ``--run_dir``: one line naming
     the folder and why, exit 2, within seconds, and nothing created (no ``negatives/``, no
     lock, no mistyped tree)."""
-    from retromae_ds.config import to_dict
-    from retromae_ds.fsutil import atomic_write_json
+    from retromae_ds.base.config import to_dict
+    from retromae_ds.base.fsutil import atomic_write_json
     from retromae_ds.pretrain import DataConfig, PretrainConfig
 
     pre = tmp_path / "pretrain_run"

@@ -17,7 +17,7 @@ import pytest
 from helpers_train import ENV, REPO, metrics, pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds import faults
+from retromae_ds.base import faults
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import RunLayout, step_tag
 
@@ -262,7 +262,7 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, shards):
 def test_refresh_threads_may_change_on_resume(tmp_path):
     """Item 14: the refresher's CPU threads change how fast it mines, not what the resumed
     steps compute; a resume with another ``refresh.threads`` is allowed."""
-    from retromae_ds.config import build_config, to_dict
+    from retromae_ds.base.config import build_config, to_dict
     from retromae_ds.finetune import FinetuneConfig
     from retromae_ds.training.loop import check_resume_config
 

@@ -18,10 +18,10 @@ import pytest
 from helpers_disk import small_disk
 from helpers_train import ENV, REPO
 
+from retromae_ds.base.fsutil import sha256_file
 from retromae_ds.data import schema
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.fsutil import sha256_file
 
 from synthetic import synthetic_texts
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from retromae_ds.hfutil import quiet_transformers
+from retromae_ds.hf.util import quiet_transformers
 from retromae_ds.modeling.load import load_pretrained
 
 

@@ -1,4 +1,4 @@
-"""Tests of the counter-based hash (``retromae_ds.hashing``) and the RetroMAE two-stream
+"""Tests of the counter-based hash (``retromae_ds.base.hashing``) and the RetroMAE two-stream
 visibility (``retromae_ds.attention.rules``).
 
 Cheapest first: ``mix32``/``hash3`` against a plain Python-int lowbias32 written here (and numpy
@@ -21,9 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from retromae_ds.attention.rules import two_stream_visible_dense
+from retromae_ds.base.hashing import MASK32, hash3, mix32, threshold
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.data.collate import MaskingConfig, PretrainCollator
-from retromae_ds.hashing import MASK32, hash3, mix32, threshold
-from retromae_ds.special_tokens import SpecialIds
 
 FEW = settings(max_examples=40, deadline=None)
 SOME = settings(max_examples=100, deadline=None)
@@ -443,7 +443,7 @@ def test_flex_mask_mod_equals_the_collators_reference_mask_bit_for_bit(items, se
 @SOME
 @given(xs=st.lists(u32, min_size=1, max_size=300))
 def test_int32_mix_equals_the_int64_mix(xs):
-    from retromae_ds.hashing import as_int32_bits, keep_int32, mix32_int32_
+    from retromae_ds.base.hashing import as_int32_bits, keep_int32, mix32_int32_
 
     x = torch.tensor(xs, dtype=torch.int64)
     h = mix32_int32_(as_int32_bits(x))

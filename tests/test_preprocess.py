@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from retromae_ds import faults
+from retromae_ds.base import faults
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 from retromae_ds.data.sources import InputError, SourceOptions

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from helpers_disk import fill, small_disk
 
-from retromae_ds import faults
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.embed_shards import Shard, ShardRows
+from retromae_ds.base import faults
 from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import (

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.cli import main
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.data.preprocess import run_preprocess
-from retromae_ds.fsutil import atomic_write_text
 
 from helpers_shards import preprocess_config as config
 from helpers_shards import write_jsonl

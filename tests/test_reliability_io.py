@@ -156,7 +156,7 @@ def test_a_model_folder_without_tokenizer_files_is_an_error(models, tmp_path, ca
 def test_a_tokenizer_far_smaller_than_the_model_vocabulary_is_an_error(models, tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from retromae_ds.hfutil import load_tokenizer_checked
+    from retromae_ds.hf.util import load_tokenizer_checked
 
     size = len(AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True))
     with pytest.raises(

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from retromae_ds import sbert
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.hf import sbert
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 

@@ -27,7 +27,7 @@ import pytest
 from helpers_train import TINY_TRAIN
 from slurm_helpers import FINAL_STATES, CannotStart, SlurmCluster, job_processes, wait_for
 
-from retromae_ds import faults
+from retromae_ds.base import faults
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import step_tag
 from retromae_ds.components.signals import EXIT_REQUEUE

@@ -374,7 +374,7 @@ def _dupmae_rows(stage="zero_shot"):
 
 
 def test_the_dupmae_section_says_which_way_each_comparison_falls(tmp_path):
-    from retromae_ds import sbert
+    from retromae_ds.hf import sbert
     from retromae_recipes import report_dupmae
     from retromae_recipes.report import HEAD_POOLINGS
 

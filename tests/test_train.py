@@ -13,7 +13,7 @@ import torch
 from helpers_train import ENV, REPO, TINY, free_port, metrics, pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds import faults
+from retromae_ds.base import faults
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import step_tag
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
@@ -152,12 +152,12 @@ def test_crash_while_saving_keeps_the_last_good_checkpoint(tmp_path, synthetic_s
 def test_export_round_trip_matches_training_time_embeddings(tmp_path, synthetic_shards):
     from transformers import AutoModel
 
+    from retromae_ds.base.special_tokens import SpecialIds
     from retromae_ds.data.collate import IndexedSamples, MaskingConfig, PretrainCollator
     from retromae_ds.data.dataset import ShardDataset
     from retromae_ds.export import export_encoder
     from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
     from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
-    from retromae_ds.special_tokens import SpecialIds
 
     run = tmp_path / "run"
     pretrain(run, synthetic_shards, "--max_steps", "3")
@@ -360,8 +360,8 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 
 
 def test_stop_signals_are_validated(synthetic_shards):
+    from retromae_ds.base.config import build_config
     from retromae_ds.components.signals import signal_number
-    from retromae_ds.config import build_config
     from retromae_ds.pretrain import PretrainConfig
 
     assert signal_number("USR1") == signal_number("SIGUSR1")

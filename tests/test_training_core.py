@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from retromae_ds import faults
+from retromae_ds.base import faults
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import RunLayout
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from retromae_ds.base.config import build_config
 from retromae_ds.components import engine as eng
 from retromae_ds.components.signals import StopSignals
-from retromae_ds.config import build_config
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.training.config import RunConfig
 from retromae_ds.training.loop import Hooks, Trainer

@@ -30,10 +30,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from retromae_ds.base.fsutil import atomic_write_text, sha256_file
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.data import schema
 from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.fsutil import atomic_write_text, sha256_file
-from retromae_ds.special_tokens import SpecialIds
 
 READY = "READY"
 FINGERPRINT = "beir_sha256"
@@ -122,7 +122,7 @@ def prepare(
     (``load_tokenizer_checked``), else a ``ValueError`` naming it."""
     from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
     from retromae_ds.eval.beir import load_qrels, load_queries
-    from retromae_ds.hfutil import load_tokenizer_checked
+    from retromae_ds.hf.util import load_tokenizer_checked
 
     load_tokenizer_checked(tokenizer_dir)
     out = Path(out)

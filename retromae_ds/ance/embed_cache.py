@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds.fsutil import atomic_save_npy_hashed, atomic_write_text, sha256_file
+from retromae_ds.base.fsutil import atomic_save_npy_hashed, atomic_write_text, sha256_file
 
 
 def folder_digest(folder: Path) -> str:

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds import faults
-from retromae_ds.fsutil import atomic_save_npy_hashed, atomic_write_text, sha256_file
+from retromae_ds.base import faults
+from retromae_ds.base.fsutil import atomic_save_npy_hashed, atomic_write_text, sha256_file
 
 FORMAT = 1
 DTYPES = ("float32", "float16")

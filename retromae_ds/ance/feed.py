@@ -27,10 +27,10 @@ from retromae_ds.ance.negatives import (
     start_version,
     wait_for_mined,
 )
+from retromae_ds.base.config import resumable
 from retromae_ds.components import engine as eng
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
-from retromae_ds.config import resumable
 
 
 @dataclass(kw_only=True)

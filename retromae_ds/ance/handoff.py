@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from retromae_ds.fsutil import atomic_write_text, chmod_as_created, fsync_dir, sha256_file
+from retromae_ds.base.fsutil import atomic_write_text, chmod_as_created, fsync_dir, sha256_file
 
 SCHEMA_VERSION = 1
 POINTER = "CURRENT"

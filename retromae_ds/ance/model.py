@@ -4,7 +4,7 @@ pooled sentence embeddings, and the contrastive loss with gathered in-batch nega
 ``save_encoders`` writes the towers as Hugging Face folders (with the tokenizer, the
 sentence-transformers files and ``dual_encoder.json`` naming the pooling, normalisation,
 temperature and the query/passage lengths it was trained at), which is what the refresher,
-``retromae-ds eval`` and ``export`` read (``retromae_ds.sbert``).
+``retromae-ds eval`` and ``export`` read (``retromae_ds.hf.sbert``).
 
 DupMAE's poolings (``dupmae``, ``dupmae_bow``) train through each tower's MLM head
 (``retromae_ds.modeling.bow``): the towers are then masked-LM models (``load_tower``) and are
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from retromae_ds import sbert
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.eval.encode import pool
+from retromae_ds.hf import sbert
 from retromae_ds.modeling.bow import bow_vectors, head_weights
 from retromae_ds.modeling.encoder import compile_whole, encode
 
@@ -137,7 +137,7 @@ def save_encoders(
     (what sentence-transformers reads texts up to)."""
     from transformers import AutoTokenizer
 
-    from retromae_ds.hfutil import quiet_transformers
+    from retromae_ds.hf.util import quiet_transformers
 
     with quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from retromae_ds.ance.embed_shards import DTYPES
 from retromae_ds.ance.mining import STRATEGIES
-from retromae_ds.config import resumable
+from retromae_ds.base.config import resumable
 from retromae_ds.search.kinds import check_index_setting
 
 

@@ -64,7 +64,6 @@ from typing import Any
 
 import torch
 
-from retromae_ds import faults, holder_lock
 from retromae_ds.ance import candidate_pool, embed_shards, handoff
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance.publish import Ranking, mine_and_publish
@@ -82,9 +81,11 @@ from retromae_ds.ance.stages import (
     search_stage,
     verify_stage,
 )
+from retromae_ds.base import faults
+from retromae_ds.base.errors import run_reporting
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components import holder_lock
 from retromae_ds.components.layout import RunLayout
-from retromae_ds.errors import run_reporting
 
 # --------------------------------------------------------------------------- guards
 LOCK = ".refresher.lock"
@@ -569,7 +570,7 @@ def _next_action(cfg: RefreshConfig, layout: RunLayout, data_dir: Path, watch: W
 
 
 def _run_main(argv: list[str] | None) -> None:
-    from retromae_ds.config import make_parser, parse_config
+    from retromae_ds.base.config import make_parser, parse_config
 
     parser = make_parser(
         RefreshConfig, prog="retromae-ds refresh", description=__doc__.splitlines()[0]

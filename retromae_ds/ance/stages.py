@@ -36,7 +36,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retromae_ds import faults, sbert
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import embed_shards, handoff
 from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
@@ -45,12 +44,14 @@ from retromae_ds.ance.mining import positive_scores
 from retromae_ds.ance.model import load_tower
 from retromae_ds.ance.publish import Ranking
 from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.base import faults
+from retromae_ds.base.fsutil import atomic_save_npy, atomic_write_text
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.data.dataset import ShardDataset
 from retromae_ds.eval.encode import pool, resolve_device
-from retromae_ds.fsutil import atomic_save_npy, atomic_write_text
+from retromae_ds.hf import sbert
 from retromae_ds.modeling.bow import bow_vectors
-from retromae_ds.special_tokens import SpecialIds
 
 if TYPE_CHECKING:
     from retromae_ds.search.build import IndexChoice

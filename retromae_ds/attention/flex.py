@@ -29,7 +29,7 @@ import torch
 
 from retromae_ds.attention.rules import query_hash
 from retromae_ds.attention.specs import MaskSpec, TwoStreamSpec, WindowSpec
-from retromae_ds.hashing import MASK32, mix32, threshold, two_stream_row_hash
+from retromae_ds.base.hashing import MASK32, mix32, threshold, two_stream_row_hash
 
 BLOCK = 128
 

@@ -11,7 +11,7 @@ Two-stream visibility (RetroMAE enhanced decoding), for batch row ``b``, query p
            or (j < length_b and j != i                 # real token, not the query itself
                and hash(seed_b, i, word_b[j]) >= ratio * 2**32)   # word kept for query i
 
-Whole words are hidden together because the hash (``retromae_ds.hashing.hash3``) takes the
+Whole words are hidden together because the hash (``retromae_ds.base.hashing.hash3``) takes the
 word id, not the position; each query row draws independently because the hash takes ``i``.
 
 Window visibility (SEED-Encoder weak decoder): decoder position ``t`` holds token ``t-1``
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from retromae_ds.attention.packing import Packing
-from retromae_ds.hashing import (
+from retromae_ds.base.hashing import (
     MASK32,
     as_int32_bits,
     keep_int32,

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from retromae_ds import faults
+from retromae_ds.base import faults
+from retromae_ds.base.fsutil import atomic_write_text, fsync_dir, sha256_file
 from retromae_ds.components.layout import (
     COMPLETE,
     ENCODER,
@@ -47,8 +48,7 @@ from retromae_ds.components.layout import (
     RunLayout,
     rank_state_file,
 )
-from retromae_ds.fsutil import atomic_write_text, fsync_dir, sha256_file
-from retromae_ds.hfutil import quiet_transformers
+from retromae_ds.hf.util import quiet_transformers
 
 MODEL_FILES = (f"{ENCODER}/", f"{QUERY_ENCODER}/")
 """The files a consumer of a checkpoint's models reads (``verify``'s ``under``)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from retromae_ds.config import resumable
+from retromae_ds.base.config import resumable
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

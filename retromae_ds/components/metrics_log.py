@@ -12,9 +12,9 @@ import json
 import sys
 from typing import Any
 
+from retromae_ds.base.errors import disk_full_error
+from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.components.layout import RunLayout
-from retromae_ds.errors import disk_full_error
-from retromae_ds.fsutil import atomic_write_text
 
 
 def read_rows(layout: RunLayout) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -5,7 +5,7 @@ until the run ends; the lock file names the holder (host, pid, start time). A se
 the same folder fails at once on every rank, naming that holder, instead of interleaving
 metrics and racing on checkpoints. The kernel drops the lock when its process dies, so a
 crashed run leaves no stale lock: the next run takes it over (and says whose it was). On a
-filesystem without ``flock`` support the run goes on with a warning (``retromae_ds.holder_lock``).
+filesystem without ``flock`` support the run goes on with a warning (``retromae_ds.components.holder_lock``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from retromae_ds import holder_lock
 from retromae_ds.components import engine as eng
+from retromae_ds.components import holder_lock
 from retromae_ds.components.layout import RunLayout
 
 

@@ -16,7 +16,7 @@ from typing import Any
 EXIT_REQUEUE = 85
 """Exit status of a run stopped by a stop signal after its checkpoint was completed: resume
 it (``slurm/pretrain.sh`` runs ``scontrol requeue`` on it). Distinct from the statuses others
-use: 1-2 (errors), 17 (an injected crash, ``retromae_ds.faults``), 124 (timeout(1)), 128+N
+use: 1-2 (errors), 17 (an injected crash, ``retromae_ds.base.faults``), 124 (timeout(1)), 128+N
 (killed by N)."""
 
 

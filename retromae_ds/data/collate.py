@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from retromae_ds.hashing import MASK32, hash3, row_seeds, threshold
-from retromae_ds.special_tokens import IGNORE, SpecialIds
+from retromae_ds.base.hashing import MASK32, hash3, row_seeds, threshold
+from retromae_ds.base.special_tokens import IGNORE, SpecialIds
 
 STREAM_WORDS, STREAM_REPLACE, STREAM_RANDOM, STREAM_DECODER = 1, 2, 3, 4
 

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from retromae_ds.config import flag
+from retromae_ds.base.config import flag
+from retromae_ds.base.fsutil import sha256_file
 from retromae_ds.data import schema
 from retromae_ds.data.tokenizer import fingerprint, fingerprint_mismatch
-from retromae_ds.fsutil import sha256_file
 
 
 @dataclass

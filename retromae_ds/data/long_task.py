@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from retromae_ds.config import flag
+from retromae_ds.base.config import flag
 from retromae_ds.data.builtin_corpus import write_beir
 
 _TITLE = re.compile(r"^ = ([^=].*?) = $")

@@ -41,8 +41,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from retromae_ds import faults
-from retromae_ds.config import flag, parse_size
+from retromae_ds.base import faults
+from retromae_ds.base.config import flag, parse_size
+from retromae_ds.base.errors import DiskFull, disk_full_error
+from retromae_ds.base.fsutil import atomic_write_text, sha256_file  # noqa: F401 (re-exported)
 from retromae_ds.data import schema
 from retromae_ds.data.rows import (
     build_batch,
@@ -63,8 +65,6 @@ from retromae_ds.data.sources import (
     plan_units,
     read_unit,
 )
-from retromae_ds.errors import DiskFull, disk_full_error
-from retromae_ds.fsutil import atomic_write_text, sha256_file  # noqa: F401 (re-exported)
 
 PLAN_NAME = "plan.json"
 REJECTS_NAME = "rejects.jsonl"

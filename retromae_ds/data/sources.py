@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.config import flag
+from retromae_ds.base.config import flag
 
 # .raw: plain text under WikiText's naming
 TEXT_SUFFIXES = {

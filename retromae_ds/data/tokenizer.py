@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.config import flag
+from retromae_ds.base.config import flag
 
 SPECIAL_TOKEN_ATTRS = ("cls", "sep", "pad", "mask", "unk", "bos", "eos")
 

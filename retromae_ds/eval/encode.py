@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retromae_ds import sbert
-from retromae_ds.hfutil import load_tokenizer_checked
+from retromae_ds.hf import sbert
+from retromae_ds.hf.util import load_tokenizer_checked
 from retromae_ds.modeling.bow import bow_vectors
 from retromae_ds.modeling.load import load_pretrained, load_with_head
 

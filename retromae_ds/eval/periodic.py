@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from retromae_ds import sbert
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
+from retromae_ds.hf import sbert
 
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 

@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from retromae_ds.base.errors import disk_full_error
+from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.components.checkpoint import is_checkpoint
 from retromae_ds.components.layout import RunLayout
-from retromae_ds.errors import disk_full_error
-from retromae_ds.fsutil import atomic_write_text
 
 RESULT_KEYS = ("dataset", "split", "metrics", "settings")
 """Keys every result of ``evaluate_beir`` holds: a file with them is an earlier result."""

@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from retromae_ds import sbert
-from retromae_ds.config import flag
+from retromae_ds.base.config import flag
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
 from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
@@ -51,6 +50,7 @@ from retromae_ds.eval.rerank import (
 )
 from retromae_ds.eval.result_file import check_out, write_result
 from retromae_ds.eval.towers import Towers, load_newest
+from retromae_ds.hf import sbert
 from retromae_ds.search.arrays import Backend, Metric
 from retromae_ds.search.exact import ExactIndex
 
@@ -219,7 +219,7 @@ def evaluate_beir(
             ``pooling``, ``normalize``,
             ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``;
             ``auto`` / None: the folder's own pooling, normalisation and length, read by
-            ``retromae_ds.sbert``, else CLS, raw, 512), or any ``list[str] -> [N, D]``
+            ``retromae_ds.hf.sbert``, else CLS, raw, 512), or any ``list[str] -> [N, D]``
             callable (those arguments are then ignored). It encodes the corpus and the
             queries unless ``query_encoder`` is given for the queries.
         beir_dir: a BEIR dataset folder, or a ``BeirData`` already loaded (with its split).

@@ -3,7 +3,7 @@
 A dual encoder fine-tuned with ``--model.shared false`` has two towers: its checkpoints hold
 ``encoder/`` (passages) and ``query_encoder/`` (queries); its export holds the passage tower at
 its root and the query tower in ``query_encoder/``, routed by a sentence-transformers
-``Router`` (``retromae_ds.sbert.routed_towers``). :func:`resolve_towers` turns what
+``Router`` (``retromae_ds.hf.sbert.routed_towers``). :func:`resolve_towers` turns what
 ``--model`` names (a run folder, a checkpoint, a checkpoint's tower, an export, any Hugging
 Face folder) into those folders, each checked against its checkpoint's record
 (``components.checkpoint``): a run or a checkpoint gives both of its towers; a tower named
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from retromae_ds import sbert
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER, RunLayout
+from retromae_ds.hf import sbert
 
 T = TypeVar("T")
 ATTEMPTS = 3

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.hfutil import quiet_transformers
+from retromae_ds.hf.util import quiet_transformers
 from retromae_ds.modeling.long_attention import use_broadcast_mask
 
 

@@ -36,12 +36,12 @@ from torch import nn
 
 from retromae_ds.attention import TwoStreamSpec, WindowSpec, resolve_backend
 from retromae_ds.attention.packing import Packing, packing_of
+from retromae_ds.base.special_tokens import IGNORE
 from retromae_ds.modeling.bow import bow_loss, pooled_vocabulary
 from retromae_ds.modeling.decoder import CrossStreamLayer
 from retromae_ds.modeling.encoder import compile_whole, encode, mlm_head
 from retromae_ds.modeling.positions import position_offset
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
-from retromae_ds.special_tokens import IGNORE
 
 OBJECTIVES = ("retromae", "dupmae", "seed", "mlm")
 TWO_STREAM = ("retromae", "dupmae")

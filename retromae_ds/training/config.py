@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from retromae_ds.base.config import resumable
 from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.signals import signal_number
-from retromae_ds.config import resumable
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,16 @@ from typing import Any, Protocol
 
 import torch
 
-from retromae_ds import faults
+from retromae_ds.base import faults
+from retromae_ds.base.config import apply_renamed, flat_defaults, resume_may_change, to_dict
+from retromae_ds.base.errors import (
+    USER_ERRORS,
+    DiskFull,
+    RunFailed,
+    disk_full_error,
+    run_reporting,
+)
+from retromae_ds.base.fsutil import atomic_write_json
 from retromae_ds.components import engine as eng
 from retromae_ds.components import memory
 from retromae_ds.components.checkpoint import (
@@ -47,16 +56,7 @@ from retromae_ds.components.signals import (
     StopRequested,
     StopSignals,
 )
-from retromae_ds.config import apply_renamed, flat_defaults, resume_may_change, to_dict
 from retromae_ds.data.sampler import ResumableDistributedSampler
-from retromae_ds.errors import (
-    USER_ERRORS,
-    DiskFull,
-    RunFailed,
-    disk_full_error,
-    run_reporting,
-)
-from retromae_ds.fsutil import atomic_write_json
 from retromae_ds.training.config import RunConfig
 
 
@@ -571,11 +571,11 @@ def run_main(
     ``--section.field VALUE`` (``--help`` lists them all); exits with EXIT_REQUEUE after a stop
     signal. A bad config or input prints one line, ``PROG: error: ...``, and exits 2 (1 for a
     missing file, a full disk or a non-finite loss); ``RETROMAE_DS_DEBUG=1`` shows the traceback
-    instead (``retromae_ds.errors``)."""
+    instead (``retromae_ds.base.errors``)."""
     import argparse
     import os
 
-    from retromae_ds.config import build_config, make_parser
+    from retromae_ds.base.config import build_config, make_parser
 
     parser = make_parser(config_cls, prog=prog, description=description)
     parser.add_argument(
