@@ -117,6 +117,11 @@ def imports(known: dict[str, Path]) -> tuple[list[Edge], list[Edge]]:
     return inner, outer
 
 
+def folder_of(mod: str) -> str:
+    """``ance.mining`` -> ``ance``; a module at the package root -> its own name."""
+    return mod.split(".")[0]
+
+
 def read_layers(text: str) -> list[tuple[str, list[list[str]]]]:
     """The ``layers`` block of docs/architecture.md: [(layer name, [sibling groups of
     patterns])], bottom first."""
@@ -169,6 +174,21 @@ def violations() -> dict[str, list[str]]:
         a, b = sorted(cycle)[:2] if len(cycle) == 2 else (sorted(cycle)[0], "...")
         key = f"cycle {a} <-> {b}" if len(cycle) == 2 else f"cycle {' -> '.join(sorted(cycle))}"
         found.setdefault(key, []).extend(e.where() for e in inner if {e.source, e.target} <= cycle)
+    # the folders are the layers: no two folders import each other, directly or round a ring
+    # (a module at the package root is its own "folder")
+    folders: dict[str, set[str]] = {}
+    for e in inner:
+        a, b = folder_of(e.source), folder_of(e.target)
+        if a != b:
+            folders.setdefault(a, set()).add(b)
+    for ring in cycles(folders):
+        key = f"folder cycle {' <-> '.join(sorted(ring))}"
+        found.setdefault(key, []).extend(
+            e.where()
+            for e in inner
+            if {folder_of(e.source), folder_of(e.target)} <= ring
+            and folder_of(e.source) != folder_of(e.target)
+        )
     for e in outer:
         top = e.target.split(".")[0]
         if top in ("retromae_recipes", "recipes", "tests", "scripts", "benchmarks"):
@@ -249,6 +269,12 @@ def test_the_checker_sees_what_it_checks(tmp_path):
         "search.faiss_backend"
     }
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    # the folder graph: a folder is a module's first name; components/ lies wholly below
+    # training/ (each component owns its config) since issue 47
+    assert (folder_of("ance.mining"), folder_of("cli")) == ("ance", "cli")
+    assert not [
+        (a, b) for a, b in kinds if a.startswith("components.") and b.startswith("training")
+    ]
     layers = read_layers("```layers\nbase: x y\nmid: a a.* | b\n```\n")
     assert layers == [("base", [["x", "y"]]), ("mid", [["a", "a.*"], ["b"]])]
     assert placement("a.z", layers) == [(1, 0)]

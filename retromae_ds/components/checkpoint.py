@@ -50,6 +50,31 @@ from retromae_ds.components.layout import (
 )
 from retromae_ds.hf.util import quiet_transformers
 
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save every N optimizer steps (0: only at the end)."""
+    keep_last: int = 3
+    """Complete checkpoints to keep (0: all)."""
+    resume: str = "auto"
+    """``auto``: the run's newest checkpoint that verifies (newer, corrupt ones are set aside
+    as ``step_N.corrupt``), or step 0 when it has none; a run whose checkpoints all fail is
+    refused. ``none``: start over at step 0 (checkpoints already there are set aside as
+    ``step_N.superseded``). Or the path of a checkpoint."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"checkpoint.{name} must be >= 0 (0: "
+                    f"{'only at the end' if name == 'every_steps' else 'keep all'}), "
+                    f"not {getattr(self, name)}"
+                )
+        if not self.resume:
+            raise ValueError("checkpoint.resume must be auto, none or a checkpoint's path")
+
+
 MODEL_FILES = (f"{ENCODER}/", f"{QUERY_ENCODER}/")
 """The files a consumer of a checkpoint's models reads (``verify``'s ``under``)."""
 

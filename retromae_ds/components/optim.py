@@ -5,10 +5,47 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
-from retromae_ds.training.config import OptimConfig
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay (not applied to biases and LayerNorm weights)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (0: use warmup_ratio)."""
+    warmup_ratio: float = 0.1
+    """Warm-up as a share of max_steps when warmup_steps is 0."""
+    schedule: str = "linear"
+    """Decay after warm-up: linear, cosine or constant."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    decoder_lr_scale: float = 1.0
+    """Multiplier on the learning rate of the pre-training decoder's parameters (RetroMAE's
+    and SEED-Encoder's decoder, trained from scratch on top of a continued encoder; the
+    encoder and its MLM head keep ``lr``). 1.0: one learning rate for every parameter."""
+    encoder_frozen_steps: int = 0
+    """Heads-only warm-up: the encoder body's learning rate is 0 for the first N steps while
+    the heads (MLM transform, decoder) learn, e.g. when continuing from a checkpoint that
+    ships without them; afterwards the body follows the schedule over the remaining steps."""
+
+    def __post_init__(self) -> None:
+        if not self.decoder_lr_scale > 0:
+            raise ValueError(f"optim.decoder_lr_scale must be > 0, not {self.decoder_lr_scale}")
+        if self.schedule not in ("linear", "cosine", "constant"):
+            raise ValueError(
+                f"optim.schedule must be linear, cosine or constant, not {self.schedule!r}"
+            )
 
 
 def lr_lambda(cfg: OptimConfig, max_steps: int):

@@ -11,70 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from retromae_ds.base.config import resumable
+from retromae_ds.components.checkpoint import CheckpointConfig
 from retromae_ds.components.engine import DeepSpeedSettings
+from retromae_ds.components.optim import OptimConfig
 from retromae_ds.components.signals import signal_number
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    lr: float = 1e-4
-    """Peak learning rate."""
-    weight_decay: float = 0.01
-    """AdamW weight decay (not applied to biases and LayerNorm weights)."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.999
-    """AdamW beta2."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    warmup_steps: int = 0
-    """Linear warm-up steps (0: use warmup_ratio)."""
-    warmup_ratio: float = 0.1
-    """Warm-up as a share of max_steps when warmup_steps is 0."""
-    schedule: str = "linear"
-    """Decay after warm-up: linear, cosine or constant."""
-    grad_clip: float = 1.0
-    """Gradient-norm clipping (0 disables)."""
-    decoder_lr_scale: float = 1.0
-    """Multiplier on the learning rate of the pre-training decoder's parameters (RetroMAE's
-    and SEED-Encoder's decoder, trained from scratch on top of a continued encoder; the
-    encoder and its MLM head keep ``lr``). 1.0: one learning rate for every parameter."""
-    encoder_frozen_steps: int = 0
-    """Heads-only warm-up: the encoder body's learning rate is 0 for the first N steps while
-    the heads (MLM transform, decoder) learn, e.g. when continuing from a checkpoint that
-    ships without them; afterwards the body follows the schedule over the remaining steps."""
-
-    def __post_init__(self) -> None:
-        if not self.decoder_lr_scale > 0:
-            raise ValueError(f"optim.decoder_lr_scale must be > 0, not {self.decoder_lr_scale}")
-        if self.schedule not in ("linear", "cosine", "constant"):
-            raise ValueError(
-                f"optim.schedule must be linear, cosine or constant, not {self.schedule!r}"
-            )
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    every_steps: int = 0
-    """Save every N optimizer steps (0: only at the end)."""
-    keep_last: int = 3
-    """Complete checkpoints to keep (0: all)."""
-    resume: str = "auto"
-    """``auto``: the run's newest checkpoint that verifies (newer, corrupt ones are set aside
-    as ``step_N.corrupt``), or step 0 when it has none; a run whose checkpoints all fail is
-    refused. ``none``: start over at step 0 (checkpoints already there are set aside as
-    ``step_N.superseded``). Or the path of a checkpoint."""
-
-    def __post_init__(self) -> None:
-        for name in ("every_steps", "keep_last"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"checkpoint.{name} must be >= 0 (0: "
-                    f"{'only at the end' if name == 'every_steps' else 'keep all'}), "
-                    f"not {getattr(self, name)}"
-                )
-        if not self.resume:
-            raise ValueError("checkpoint.resume must be auto, none or a checkpoint's path")
 
 
 @dataclass(kw_only=True)
