@@ -137,46 +137,9 @@ def check_masking(masking: MaskingConfig, manifest: dict[str, Any], shards: str)
 
 def _train(cfg: PretrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
-
-    # opening checks every shard is there, has its size and can be read, its sha256 against
-    # the manifest and its token ids against the vocabulary: a shard this user cannot read,
-    # a flipped bit or a foreign id stops the run here, naming it, before the engine is built
-    data = ShardDataset(cfg.data.shards, check_shards=True)
+    data, special, max_length, collator, sampler, loader = _data_pipeline(cfg, dist)
     manifest = data.manifest
-    max_length = check_max_length(cfg.data.max_length, manifest, cfg.data.shards)
-    check_masking(cfg.masking, manifest, cfg.data.shards)
-    special = SpecialIds.from_fingerprint(manifest["tokenizer"])
-    has_decoder = cfg.model.objective.name != "mlm"
-    collator = PretrainCollator(
-        special,
-        cfg.masking,
-        max_length,
-        seed=cfg.seed,
-        decoder=has_decoder,
-        pack=cfg.data.packing,
-    )
-    if cfg.data.length_grouping:
-        sampler = LengthGroupedSampler(
-            len(data),
-            dist.world_size,
-            dist.rank,
-            lengths=data.lengths_of,
-            block=cfg.micro_batch_size * dist.world_size,
-            group_blocks=cfg.data.length_grouping * cfg.grad_accum,
-            seed=cfg.seed,
-        )
-    else:
-        sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
-    loader = torch.utils.data.DataLoader(
-        IndexedSamples(data),
-        batch_size=cfg.micro_batch_size,
-        sampler=sampler,
-        collate_fn=collator,
-        num_workers=cfg.data.num_workers,
-        # a private generator: creating an iterator must not consume the global torch RNG,
-        # or dropout would differ between an uninterrupted and a resumed run
-        generator=torch.Generator().manual_seed(cfg.seed),
-    )
+    has_decoder = collator.decoder
     steps_per_epoch = max(1, len(sampler) // (cfg.micro_batch_size * cfg.grad_accum))
     max_steps = steps_for(cfg, steps_per_epoch)
 
@@ -220,6 +183,49 @@ def _train(cfg: PretrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[s
         eval_every=cfg.eval.every,
     )
     return trainer.fit(_epochs(loader, sampler, collator), hooks)
+
+
+def _data_pipeline(cfg: PretrainConfig, dist: eng.DistInfo):
+    """(shards, special ids, max_length, collator, sampler, loader) of this rank. Opening
+    checks every shard is there, has its size and can be read, its sha256 against the
+    manifest and its token ids against the vocabulary: a shard this user cannot read, a
+    flipped bit or a foreign id stops the run here, naming it, before the engine is built."""
+    data = ShardDataset(cfg.data.shards, check_shards=True)
+    manifest = data.manifest
+    max_length = check_max_length(cfg.data.max_length, manifest, cfg.data.shards)
+    check_masking(cfg.masking, manifest, cfg.data.shards)
+    special = SpecialIds.from_fingerprint(manifest["tokenizer"])
+    collator = PretrainCollator(
+        special,
+        cfg.masking,
+        max_length,
+        seed=cfg.seed,
+        decoder=cfg.model.objective.name != "mlm",
+        pack=cfg.data.packing,
+    )
+    if cfg.data.length_grouping:
+        sampler = LengthGroupedSampler(
+            len(data),
+            dist.world_size,
+            dist.rank,
+            lengths=data.lengths_of,
+            block=cfg.micro_batch_size * dist.world_size,
+            group_blocks=cfg.data.length_grouping * cfg.grad_accum,
+            seed=cfg.seed,
+        )
+    else:
+        sampler = ResumableDistributedSampler(len(data), dist.world_size, dist.rank, seed=cfg.seed)
+    loader = torch.utils.data.DataLoader(
+        IndexedSamples(data),
+        batch_size=cfg.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collator,
+        num_workers=cfg.data.num_workers,
+        # a private generator: creating an iterator must not consume the global torch RNG,
+        # or dropout would differ between an uninterrupted and a resumed run
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    return data, special, max_length, collator, sampler, loader
 
 
 def _token_counts(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | int]:

@@ -276,12 +276,19 @@ def wait_for_mined(
             )
         now = time.monotonic()
         if rank == 0 and now >= next_report:
-            report(
-                f"finetune: waiting for negatives mined from the step-0 checkpoint"
-                f"{f' {checkpoint}' if checkpoint else ''}: a version newer than v{after} in "
-                f"{root}, published by {who}; {now - start:.0f} s so far, failing after "
-                f"{timeout_s:.0f} s (negatives.mine_first_timeout_s); a stop signal ends the "
-                "wait, the step-0 checkpoint kept"
-            )
+            report(_waiting_line(root, after, who, checkpoint, now - start, timeout_s))
             next_report = now + report_every_s
         time.sleep(poll_s)
+
+
+def _waiting_line(
+    root: Path, after: int, who: str, checkpoint: Path | None, waited: float, timeout_s: float
+) -> str:
+    """What the wait for the first mined negatives says every ``report_every_s``."""
+    return (
+        f"finetune: waiting for negatives mined from the step-0 checkpoint"
+        f"{f' {checkpoint}' if checkpoint else ''}: a version newer than v{after} in "
+        f"{root}, published by {who}; {waited:.0f} s so far, failing after "
+        f"{timeout_s:.0f} s (negatives.mine_first_timeout_s); a stop signal ends the "
+        "wait, the step-0 checkpoint kept"
+    )

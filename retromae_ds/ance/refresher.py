@@ -244,63 +244,79 @@ def refresh_once(
         faults.crash("crash_in_refresh_at", "merge")
     manifest = None
     if group.rank == 0:
-        if ranked:
-            ranking = Ranking.load(work / RANKING)
-            job.cached = {"passages": "ranked", "queries": "ranked"}
-            print(f"refresh: v{version}: ranking found in {work}", file=sys.stderr, flush=True)
-        else:
-            ranking = merge_stage(job)
-            job.cached["passages"] = embed_shards.stats_line(
-                [answer for rank in shard_report for answer in rank["cache"]] or ["none"]
-            )
-        faults.crash("crash_in_refresh_at", "publish")
-        if plan is not None and plan.mode == "full":  # kept before the version names it
-            candidate_pool.save_pool(
-                root, version, ranking.ids[:, : plan.k], ts, source="model", step=step,
-                checkpoint=checkpoint.name,
-            )  # fmt: skip
-        ranking = ranking.head(cfg.mining.top_k)  # a full refresh of pool mode searched K'
-        if "encode_passages_s" in job.timings:
-            job.timings["passages_per_s"] = job.num_encoded() / max(
-                job.timings["encode_passages_s"], 1e-9
-            )
-        extra = {} if plan is None else {
-            "candidate_pool": plan.record(job.num_encoded(), cfg.pool_full_every)
-        }  # fmt: skip
-        manifest, filtered = mine_and_publish(
-            root,
-            version,
-            ranking,
-            ts,
-            cfg.mining,
-            seed=cfg.mining.seed + version,
-            keep_last=cfg.keep_last,
-            step=step,
-            source={"source": "model", "checkpoint": checkpoint.name},
-            extra={
-                "ranks": group.world,
-                "embedding_cache": job.cached,
-                "device": str(pick_device(cfg, group.local_rank)),
-                "index": cfg.index,
-                "search_backend": cfg.search_backend,
-                # what rank 0's index resolved to (factory string, nprobe, ef_search, ...)
-                "index_resolved": read_json(job.part("index", 0).with_suffix(".json")),
-                "embedding_shards": _shard_summary(cfg, job, shard_report),
-                **extra,
-            },
-            timings=job.timings,
-        )
-        if plan is not None:  # the pool the new version names is the one kept
-            candidate_pool.prune(root, plan.pool_version)
-        _record(layout, manifest, filtered)
-        shutil.rmtree(work, ignore_errors=True)
-        print(
-            f"refresh: published v{version} (step {step}) {manifest['timings']}; "
-            f"embedding cache {job.cached}",
-            file=sys.stderr,
-            flush=True,
-        )
+        manifest = _mine_and_publish(job, plan, work, ranked, shard_report)
     group.barrier()
+    return manifest
+
+
+def _mine_and_publish(
+    job: Job,
+    plan: candidate_pool.Plan | None,
+    work: Path,
+    ranked: bool,
+    shard_report: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Rank 0: the ranking (merged now, or left ``ranked`` by an earlier refresher) mined and
+    published as ``job``'s version, with the candidate pool kept first in pool mode; the
+    work folder removed after. Returns the manifest."""
+    cfg, ts, version, step, checkpoint = job.cfg, job.ts, job.version, job.step, job.checkpoint
+    root = RunLayout(cfg.run_dir).negatives
+    if ranked:
+        ranking = Ranking.load(work / RANKING)
+        job.cached = {"passages": "ranked", "queries": "ranked"}
+        print(f"refresh: v{version}: ranking found in {work}", file=sys.stderr, flush=True)
+    else:
+        ranking = merge_stage(job)
+        job.cached["passages"] = embed_shards.stats_line(
+            [answer for rank in shard_report for answer in rank["cache"]] or ["none"]
+        )
+    faults.crash("crash_in_refresh_at", "publish")
+    if plan is not None and plan.mode == "full":  # kept before the version names it
+        candidate_pool.save_pool(
+            root, version, ranking.ids[:, : plan.k], ts, source="model", step=step,
+            checkpoint=checkpoint.name,
+        )  # fmt: skip
+    ranking = ranking.head(cfg.mining.top_k)  # a full refresh of pool mode searched K'
+    if "encode_passages_s" in job.timings:
+        job.timings["passages_per_s"] = job.num_encoded() / max(
+            job.timings["encode_passages_s"], 1e-9
+        )
+    extra = {} if plan is None else {
+        "candidate_pool": plan.record(job.num_encoded(), cfg.pool_full_every)
+    }  # fmt: skip
+    manifest, filtered = mine_and_publish(
+        root,
+        version,
+        ranking,
+        ts,
+        cfg.mining,
+        seed=cfg.mining.seed + version,
+        keep_last=cfg.keep_last,
+        step=step,
+        source={"source": "model", "checkpoint": checkpoint.name},
+        extra={
+            "ranks": job.group.world,
+            "embedding_cache": job.cached,
+            "device": str(pick_device(cfg, job.group.local_rank)),
+            "index": cfg.index,
+            "search_backend": cfg.search_backend,
+            # what rank 0's index resolved to (factory string, nprobe, ef_search, ...)
+            "index_resolved": read_json(job.part("index", 0).with_suffix(".json")),
+            "embedding_shards": _shard_summary(cfg, job, shard_report),
+            **extra,
+        },
+        timings=job.timings,
+    )
+    if plan is not None:  # the pool the new version names is the one kept
+        candidate_pool.prune(root, plan.pool_version)
+    _record(RunLayout(cfg.run_dir), manifest, filtered)
+    shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"refresh: published v{version} (step {step}) {manifest['timings']}; "
+        f"embedding cache {job.cached}",
+        file=sys.stderr,
+        flush=True,
+    )
     return manifest
 
 
