@@ -353,7 +353,7 @@ class Trainer:
         checks) and, before any checkpoint, refuses a non-finite loss. A stop signal is acted
         on at once in a one-process run (the flag lives on the host) and at the next sync step
         when several ranks must agree."""
-        cfg, dist, engine = self.cfg, self.dist, self.engine
+        cfg, dist = self.cfg, self.dist
         if self.logger is None:
             self.start_log()
         step, micro, stopping = self.step, 0, False
@@ -370,19 +370,7 @@ class Trainer:
                 self._eval_row(step, hooks)
             t_last = time.perf_counter()  # the rates measure training alone: no evaluation
             while step < self.max_steps:
-                batch = next(batches)
-                batch = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
-                with autocast:
-                    out = engine(batch)
-                if cfg.stop_on_nonfinite:  # the first step with a non-finite loss, on device
-                    bad = ~torch.isfinite(out["loss"].detach()) & (first_bad == 0)
-                    first_bad = torch.where(bad, step + 1, first_bad)
-                engine.backward(out["loss"])
-                engine.step()
-                self.sampler.advance(hooks.consumed(batch))
-                for name, n in hooks.counts(batch).items():
-                    self._pending[name] = self._pending.get(name, 0) + n
-                self._window.append(torch.stack([out[k].detach().float() for k in hooks.metrics]))
+                first_bad = self._micro_step(next(batches), hooks, step, first_bad, autocast)
                 micro += 1
                 if micro % cfg.grad_accum:
                     continue
@@ -398,14 +386,7 @@ class Trainer:
                 one_rank_stop = dist.world_size == 1 and self.stop.received is not None
                 if checks and (sync or one_rank_stop):
                     # every rank reaches the same sync steps, so all stop at the same step
-                    stopping, bad_step = self._agree(first_bad)
-                    if bad_step:
-                        raise NonFiniteLoss(
-                            f"non-finite loss at step {bad_step} (a rank's loss was NaN or "
-                            f"infinite; found at step {step}); stopped without saving, the "
-                            f"newest checkpoint is step {self.checkpoints.newest_step()} "
-                            "(--stop_on_nonfinite false trains on)"
-                        )
+                    stopping = self._agree_or_fail(first_bad, step)
                 if logs:
                     last = self._log_row(step, time.perf_counter() - t_last, hooks)
                     t_last = time.perf_counter()
@@ -417,14 +398,7 @@ class Trainer:
                     # an evaluation inside a log window moves its start: the rows' rates
                     # measure the window's training steps alone, over the time they took
                     t_last += time.perf_counter() - t_eval
-                if hooks.after_step is not None:
-                    try:
-                        hooks.after_step(step)
-                    except StopAfterCheckpoint:
-                        # nothing trained is lost: this step's checkpoint, then the error
-                        if self.checkpoints.newest_step() != step:
-                            self.save(step, hooks)
-                        raise
+                self._after_step(step, hooks)
                 if saves:
                     self.save(step, hooks)
                 self.logger.advance(step)
@@ -446,6 +420,55 @@ class Trainer:
                 )
             raise StopRequested(step)
         return last
+
+    def _micro_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        hooks: Hooks,
+        step: int,
+        first_bad: torch.Tensor,
+        autocast: torch.autocast,
+    ) -> torch.Tensor:
+        """One micro-batch forward, backward and engine step; its counts and metrics kept on
+        the device; returns ``first_bad`` (the first step with a non-finite loss, 0: none)."""
+        batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
+        with autocast:
+            out = self.engine(batch)
+        if self.cfg.stop_on_nonfinite:  # the first step with a non-finite loss, on device
+            bad = ~torch.isfinite(out["loss"].detach()) & (first_bad == 0)
+            first_bad = torch.where(bad, step + 1, first_bad)
+        self.engine.backward(out["loss"])
+        self.engine.step()
+        self.sampler.advance(hooks.consumed(batch))
+        for name, n in hooks.counts(batch).items():
+            self._pending[name] = self._pending.get(name, 0) + n
+        self._window.append(torch.stack([out[k].detach().float() for k in hooks.metrics]))
+        return first_bad
+
+    def _agree_or_fail(self, first_bad: torch.Tensor, step: int) -> bool:
+        """Whether to stop (a rank got a stop signal); a non-finite loss on any rank is
+        ``NonFiniteLoss`` before anything is saved."""
+        stopping, bad_step = self._agree(first_bad)
+        if bad_step:
+            raise NonFiniteLoss(
+                f"non-finite loss at step {bad_step} (a rank's loss was NaN or "
+                f"infinite; found at step {step}); stopped without saving, the "
+                f"newest checkpoint is step {self.checkpoints.newest_step()} "
+                "(--stop_on_nonfinite false trains on)"
+            )
+        return stopping
+
+    def _after_step(self, step: int, hooks: Hooks) -> None:
+        """``hooks.after_step``; one that raises ``StopAfterCheckpoint`` gets this step's
+        checkpoint first (nothing trained is lost), then the error goes on."""
+        if hooks.after_step is None:
+            return
+        try:
+            hooks.after_step(step)
+        except StopAfterCheckpoint:
+            if self.checkpoints.newest_step() != step:
+                self.save(step, hooks)
+            raise
 
     def _agree(self, first_bad: torch.Tensor) -> tuple[bool, int]:
         """(a stop signal reached some rank, the earliest non-finite step of any rank or 0):
