@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from retromae_ds.base.fsutil import atomic_write_text, chmod_as_created, fsync_dir, sha256_file
+from retromae_ds.base.fsutil import atomic_open, atomic_write_text, fsync_dir, sha256_file
 
 SCHEMA_VERSION = 1
 POINTER = "CURRENT"
@@ -141,18 +139,8 @@ def _write_arrow(path: Path, negatives: list[np.ndarray]) -> None:
     batch = pa.RecordBatch.from_arrays(
         [pa.array(np.arange(len(negatives), dtype=np.int32)), column], schema=NEGATIVES_SCHEMA
     )
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        chmod_as_created(fd)  # readable like any other file of the run, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f:
-            with pa.ipc.new_file(f, NEGATIVES_SCHEMA) as writer:
-                writer.write_batch(batch)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f, pa.ipc.new_file(f, NEGATIVES_SCHEMA) as writer:
+        writer.write_batch(batch)
 
 
 def publish(

@@ -7,29 +7,40 @@ teammates and serving jobs under other users.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` through a unique temporary file in the same folder, fsync, then rename."""
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file to write ``path`` through: a unique temporary file in the same folder (the
+    permissions of an ordinary ``open``), fsynced and renamed over ``path`` when the block
+    ends, removed when it raises. ``mode``: ``w`` (UTF-8 text) or ``wb``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         chmod_as_created(fd)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` through a unique temporary file in the same folder, fsync, then rename."""
+    with atomic_open(path, "w") as f:
+        f.write(text)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
