@@ -105,16 +105,15 @@ def negatives_v1(run: Path):
 
 
 def swaps(run: Path) -> dict[int, int]:
-    """{negatives version: the first step trained on it} from the run's metrics."""
-    from retromae_ds.components.layout import RunLayout
+    """{negatives version: the step it was taken at}, from the trainer's log lines
+    ``finetune: step N: negatives vK``."""
+    import re
 
-    first: dict[int, int] = {}
-    metrics = RunLayout(run).metrics
-    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
-        row = json.loads(line)
-        if "negatives_version" in row and "step" in row:
-            first.setdefault(int(row["negatives_version"]), int(row["step"]))
-    return first
+    log = run.with_name(run.name + ".log")
+    text = log.read_text() if log.is_file() else ""
+    return {
+        int(v): int(step) for step, v in re.findall(r"finetune: step (\d+): negatives v(\d+)", text)
+    }
 
 
 def summarise(args, outs: dict[str, Path]) -> dict[str, Any]:
@@ -144,7 +143,9 @@ def summarise(args, outs: dict[str, Path]) -> dict[str, Any]:
         b = rows[base]
         row["diff"] = row["mean"] - b["mean"]
         n = len(row["ndcg@10"])
-        row["se"] = math.sqrt((row["std"] ** 2 + b["std"] ** 2) / max(1, n))
+        row["se"] = (
+            math.sqrt((row["std"] ** 2 + b["std"] ** 2) / max(1, n)) if row is not b else 0.0
+        )
     return {"pad": args.pad, "seeds": args.seeds, "steps": args.steps, "rows": rows}
 
 
@@ -160,13 +161,14 @@ def print_table(summary: dict[str, Any]) -> None:
         seeds = ", ".join(f"{v:.4f}" for v in r["ndcg@10"].values())
         same = statistics.fmean(r["v1_same"].values())
         pad = statistics.fmean(r["v1_pad"].values())
+        vs = f"{r['diff']:+.4f} (se {r['se']:.4f})" if r["se"] else "–"
         sw = "; ".join(
             ", ".join(f"v{v}@{s}" for v, s in sorted(d.items()) if v > 1) or "–"
             for d in r["swaps"].values()
         )
         print(
             f"| {name} | {seeds} | {r['mean']:.4f} ± {r['std']:.4f} | "
-            f"{r['diff']:+.4f} (se {r['se']:.4f}) | {same:.3f} | {pad:.3f} | {sw} |"
+            f"{vs} | {same:.3f} | {pad:.3f} | {sw} |"
         )
 
 
