@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -107,8 +108,6 @@ def negatives_v1(run: Path):
 def swaps(run: Path) -> dict[int, int]:
     """{negatives version: the step it was taken at}, from the trainer's log lines
     ``finetune: step N: negatives vK``."""
-    import re
-
     log = run.with_name(run.name + ".log")
     text = log.read_text() if log.is_file() else ""
     return {

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -175,3 +176,15 @@ def refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
         "cpu",
         *extra,
     ]
+
+
+def run_killed(cmd: list[str], point: str, at: str) -> subprocess.CompletedProcess:
+    """``cmd`` run with the fault ``point`` set to ``at`` (``faults.crash``: ``os._exit`` as
+    ``kill -9`` does, no cleanup); asserts it died there, returns the finished process."""
+    from retromae_ds.base import faults
+
+    killed = subprocess.run(
+        cmd, env={**ENV, **faults.env(**{point: at})}, capture_output=True, text=True, timeout=180
+    )
+    assert killed.returncode == faults.CRASH_EXIT, killed.stderr[-3000:]
+    return killed

@@ -28,7 +28,6 @@ import torch
 
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
-from retromae_ds.base import faults
 from retromae_ds.components.layout import QUERY_ENCODER, RunLayout
 from retromae_ds.hf import sbert
 
@@ -39,6 +38,7 @@ from helpers_ance import (
     load_current,
     prepared_set,
     refresh_cmd,
+    run_killed,
     write_synthetic_beir,
     write_tiny_encoder,
 )
@@ -311,10 +311,7 @@ def test_a_pool_refresh_killed_anywhere_publishes_nothing_and_resumes(
     run = tmp_path / "run"
     cmd = _cli(assets, run)
     root = RunLayout(run).negatives
-    killed = subprocess.run(
-        cmd, env={**ENV, **faults.env(**{point: at})}, capture_output=True, text=True, timeout=180
-    )
-    assert killed.returncode == faults.CRASH_EXIT, killed.stderr[-3000:]
+    run_killed(cmd, point, at)
     assert handoff.published_versions(root) == [0, 1]
     assert handoff.read_pointer(root)["version"] == 1
     assert not [p.name for p in root.iterdir() if p.name.startswith("v2")]

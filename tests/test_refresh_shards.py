@@ -30,6 +30,7 @@ from helpers_ance import (
     load_current,
     prepared_set,
     refresh_cmd,
+    run_killed,
     write_synthetic_beir,
     write_tiny_encoder,
 )
@@ -373,10 +374,7 @@ def test_a_refresher_killed_anywhere_publishes_nothing_and_keeps_its_finished_sh
     run = tmp_path / "run"
     cmd = _cli_run(assets, run)
     root = RunLayout(run).negatives
-    killed = subprocess.run(
-        cmd, env={**ENV, **faults.env(**{point: at})}, capture_output=True, text=True, timeout=180
-    )
-    assert killed.returncode == faults.CRASH_EXIT, killed.stderr[-3000:]
+    run_killed(cmd, point, at)
     assert handoff.published_versions(root) == [0]
     assert handoff.read_pointer(root)["version"] == 0
     assert not [p.name for p in root.iterdir() if p.name.startswith("v1")]

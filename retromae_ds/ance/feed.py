@@ -142,12 +142,11 @@ class NegativesFeed:
 
     # -- the local refresher and the first mined version ----------------------------------
     def start_local_refresher(self, refresh_file: Path) -> None:
-        """Rank 0: start the refresher process reading ``refresh_file`` beside the trainer,
-        watched for dying by the negatives in use."""
-        if self.dist.rank == 0:
-            self.refresher = start_local_refresher(refresh_file, self.layout.refresher_log)
-            self.negatives.refresher = self.refresher
-            self.negatives.refresher_log = self.layout.refresher_log
+        """Rank 0 (the caller's to check): start the refresher process reading
+        ``refresh_file`` beside the trainer, watched for dying by the negatives in use."""
+        self.refresher = start_local_refresher(refresh_file, self.layout.refresher_log)
+        self.negatives.refresher = self.refresher
+        self.negatives.refresher_log = self.layout.refresher_log
 
     def stop_local_refresher(self) -> None:
         stop_local_refresher(self.refresher)
