@@ -244,9 +244,10 @@ def prepare(python, work: Path, tokenizer_dir: str, text_file: Path, shape: str,
             str(shards),
             "--tokenizer",
             str(init),
-            "--max-length",
+            "--max_length",
             str(MAX_LENGTH),
-            "--no-progress",
+            "--progress",
+            "false",
         ]
         subprocess.run(cmd, check=True, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL)
         (work / "preprocess_s").write_text(f"{time.perf_counter() - t0:.2f}")

@@ -7,17 +7,19 @@ retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_s
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
 retromae-ds make-tokenizer     a BERT tokenizer folder from a vocab.txt (e.g. Chinese BERT)
 retromae-ds inspect DIR        summary of a shards folder
-retromae-ds pretrain ...       RetroMAE / SEED-Encoder / MLM pre-training (--config FILE, --a.b VALUE)
-retromae-ds finetune ...       ANCE dense-retrieval fine-tuning (--config FILE, --a.b VALUE)
+retromae-ds pretrain ...       RetroMAE / DupMAE / SEED-Encoder / MLM pre-training
+retromae-ds finetune ...       ANCE dense-retrieval fine-tuning
 retromae-ds refresh ...        the asynchronous hard-negative refresher of a fine-tuning run
 retromae-ds eval ...           retrieval metrics of an encoder on a BEIR folder
 retromae-ds export CKPT OUT    an encoder as a Hugging Face (sentence-transformers) folder
-retromae-ds long-task ...      the long-document retrieval task from raw articles"""
+retromae-ds long-task ...      the long-document retrieval task from raw articles
+
+Every subcommand reads its options one way: the fields of its config, spelt as in a
+``--config`` file, ``--section.field VALUE`` (``base.options``; ``--help`` lists them)."""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import sys
 from collections.abc import Callable
@@ -25,37 +27,38 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
-from retromae_ds.base.config import HelpWithDefaults, flag_parser, parse_flags
-from retromae_ds.base.errors import USER_ERRORS, run_reporting
+from retromae_ds.base.errors import JOB_ERRORS, USER_ERRORS
+from retromae_ds.base.options import command_parser, run_command
 
 COMMANDS = "retromae_ds.commands"
-"""Entry-point group of the commands other packages add: each entry is a callable that adds
-its subparser (with ``func``) to the ``retromae-ds`` subparsers."""
+"""Entry-point group of the commands other packages add: each entry is an :class:`Entry`."""
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One flag-style subcommand: its config dataclass and run function, as ``module:name``
-    (imported only when the command runs, so ``retromae-ds --help`` stays light). The
-    parser comes from the dataclass (``config.flag_parser``); the run function takes the
-    config and returns the exit status."""
+    """One subcommand: its config dataclass and run function, as ``module:name`` (imported
+    only when the command runs, so ``retromae-ds --help`` stays light). Every subcommand
+    parses and runs through ``options.run_command``: its options are its config's fields,
+    ``--section.field VALUE``; the run function takes the config and returns the exit status.
+    ``errors``: what it reports in one line rather than with a traceback."""
 
     name: str
     help: str
     config: str
     run: str
+    errors: tuple[type[BaseException], ...] = (*USER_ERRORS, RuntimeError)
 
     def load(self) -> tuple[type, Callable[[Any], int | None]]:
         return _load(self.config), _load(self.run)
 
-    def parse(self, argv: list[str]) -> Any:
-        cls, _ = self.load()
-        cfg, _ = parse_flags(cls, argv, prog=f"retromae-ds {self.name}", description=self.help)
-        return cfg
+    def main(self, argv: list[str]) -> int:
+        cls, run = self.load()
+        prog = f"retromae-ds {self.name}"
+        return run_command(cls, run, argv, prog=prog, description=self.help, errors=self.errors)
 
     def parser(self) -> argparse.ArgumentParser:
         cls, _ = self.load()
-        return flag_parser(cls, prog=f"retromae-ds {self.name}", description=self.help)
+        return command_parser(cls, prog=f"retromae-ds {self.name}", description=self.help)
 
 
 def _load(spec: str) -> Any:
@@ -66,6 +69,27 @@ def _load(spec: str) -> Any:
 ENTRIES = {
     e.name: e
     for e in (
+        Entry(
+            "pretrain",
+            "RetroMAE / DupMAE / SEED-Encoder / MLM pre-training on DeepSpeed",
+            "retromae_ds.pretrain:PretrainConfig",
+            "retromae_ds.pretrain:pretrain_command",
+            errors=JOB_ERRORS,
+        ),
+        Entry(
+            "finetune",
+            "dense-retrieval fine-tuning with ANCE hard negatives on DeepSpeed",
+            "retromae_ds.finetune:FinetuneConfig",
+            "retromae_ds.finetune:finetune_command",
+            errors=JOB_ERRORS,
+        ),
+        Entry(
+            "refresh",
+            "the asynchronous hard-negative refresher of a fine-tuning run",
+            "retromae_ds.ance.refresh_config:RefreshConfig",
+            "retromae_ds.ance.refresher:refresh_command",
+            errors=USER_ERRORS,
+        ),
         Entry(
             "preprocess",
             "raw text -> memory-mapped Arrow shards",
@@ -110,63 +134,35 @@ ENTRIES = {
         ),
     )
 }
-"""The flag-style subcommands (``--name VALUE`` options generated from a config dataclass)."""
+"""Every subcommand of the library (commands other packages add come from ``COMMANDS``)."""
 
-CONFIG_JOBS = {
-    "pretrain": (
-        "retromae_ds.pretrain:main",
-        "pre-train on DeepSpeed (--config FILE, --section.field VALUE)",
-    ),
-    "finetune": (
-        "retromae_ds.finetune:main",
-        "ANCE fine-tuning on DeepSpeed (--config FILE, --a.b VALUE)",
-    ),
-    "refresh": (
-        "retromae_ds.ance.refresher:main",
-        "hard-negative refresher of a fine-tuning run (--run_dir RUN)",
-    ),
-}
-"""The jobs whose options are their config's dotted fields (``config.make_parser``); each
-parses its own command line and reports its own errors (``training.loop.run_main``)."""
+
+def entries() -> dict[str, Entry]:
+    """The library's subcommands and those other packages add (entry-point group
+    ``COMMANDS``, each a :class:`Entry`; this repository's recipes add ``demo``): the library
+    never imports them by name."""
+    added = {ep.name: ep.load() for ep in entry_points(group=COMMANDS)}
+    return {**ENTRIES, **{name: added[name] for name in sorted(added) if name not in ENTRIES}}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: lists the subcommands for ``--help``; each parses its own
+    options when chosen (``main``)."""
     parser = argparse.ArgumentParser(prog="retromae-ds", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(
-        dest="command",
-        required=True,
-        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=HelpWithDefaults),
-    )
-
-    for entry in ENTRIES.values():  # listed for --help; parsed when chosen (main)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for entry in entries().values():
         sub.add_parser(entry.name, help=entry.help, add_help=False)
-    for name, (_, text) in CONFIG_JOBS.items():
-        sub.add_parser(name, help=text, add_help=False)
-
-    # commands other packages add (entry-point group ``retromae_ds.commands``; this
-    # repository's recipes add ``demo``): the library never imports them by name
-    for ep in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
-        ep.load()(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``retromae-ds COMMAND ...``: every command through ``options.run_command``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv else None
-    if command in CONFIG_JOBS:  # free-form --section.field overrides: parsed by the job
-        return _load(CONFIG_JOBS[command][0])(argv[1:])
-    if command in ENTRIES:
-        entry = ENTRIES[command]
-        _, run = entry.load()
-        prog = f"retromae-ds {command}"
-        return run_reporting(prog, lambda: run(entry.parse(argv[1:])), errors=_ERRORS)
-    args = build_parser().parse_args(argv)
-    return run_reporting(f"retromae-ds {args.command}", args.func, args, errors=_ERRORS)
-
-
-_ERRORS = (*USER_ERRORS, RuntimeError)
-"""What the commands report as one line: bad input, and RuntimeError, which they raise for a
-model folder they cannot use."""
+    known = entries()
+    if argv and argv[0] in known:
+        return known[argv[0]].main(argv[1:])
+    build_parser().parse_args(argv)  # --help, or a usage error naming the choices
+    return 2
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ trainer (Linux's parent-death signal, and ``--parent_pid`` polled by the refresh
 machine). ``--negatives.mine_first`` waits for the first version a refresher mines, so it needs
 one of the two (refused up front with ``none``); the wait says what it waits for every
 ``negatives.wait_report_s`` and ends on a stop signal as training does (the step-0 checkpoint
-is complete: exit 85, resume with ``--resume auto``).
+is complete: exit 85, resume with ``--checkpoint.resume auto``).
 
 The BEIR files the run tokenizes are fingerprinted (sha256) in ``RUN/data/READY``; a resume
 (or a run reusing ``data.prepared``) against a folder whose files changed since is refused
@@ -53,7 +53,9 @@ from retromae_ds.ance.feed import NegativesConfig, NegativesFeed
 from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.base.config import resumable, to_dict
+from retromae_ds.base.errors import JOB_ERRORS
 from retromae_ds.base.fsutil import atomic_write_text
+from retromae_ds.base.options import run_command
 from retromae_ds.components import engine as eng
 from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.components.layout import RunLayout
@@ -61,7 +63,7 @@ from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.hf import sbert
 from retromae_ds.training.config import OptimConfig, RunConfig
-from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
+from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_job, steps_for
 
 
 @dataclass(kw_only=True)
@@ -133,7 +135,10 @@ class FinetuneConfig(RunConfig):
     """Where checkpoints, metrics, negatives and resolved configs go."""
     micro_batch_size: int = 16
     """Queries per rank per forward pass (each with 1 + n_hard passages)."""
-    RENAMED: ClassVar[dict[str, str]] = {"refresher_device": "refresh.device"}
+    RENAMED: ClassVar[dict[str, str]] = {
+        "refresher_device": "refresh.device",
+        "resume": "checkpoint.resume",
+    }
     """``refresher_device`` overrode ``refresh.device``; the section's field is the one."""
 
     refresher: str = resumable("none")
@@ -334,13 +339,22 @@ def _build_model(
     )
 
 
+def finetune_command(cfg: FinetuneConfig) -> int:
+    """``retromae-ds finetune``: :func:`finetune` with a training job's exit statuses
+    (``training.loop.run_job``)."""
+    return run_job(finetune, cfg, "retromae-ds finetune")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_main(
+    """``python -m retromae_ds.finetune`` (what the ``deepspeed`` launcher, ``torchrun`` and
+    ``slurm/finetune.sh`` start): the same command as ``retromae-ds finetune``."""
+    return run_command(
         FinetuneConfig,
-        finetune,
+        finetune_command,
         argv,
         prog="retromae-ds finetune",
         description=__doc__.splitlines()[0],
+        errors=JOB_ERRORS,
     )
 
 

@@ -22,6 +22,8 @@ from typing import Any, ClassVar
 import torch
 
 from retromae_ds.base.config import resumable
+from retromae_ds.base.errors import JOB_ERRORS
+from retromae_ds.base.options import run_command
 from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components import engine as eng
 from retromae_ds.components.layout import ENCODER
@@ -34,7 +36,7 @@ from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
 from retromae_ds.training.config import RunConfig
-from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_main, steps_for
+from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_job, steps_for
 
 
 @dataclass(kw_only=True)
@@ -75,7 +77,10 @@ class PretrainConfig(RunConfig):
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     eval: PeriodicEvalConfig = resumable(default_factory=PeriodicEvalConfig)
 
-    RENAMED: ClassVar[dict[str, str]] = {"masking.decoder_ratio": "model.objective.decoder_ratio"}
+    RENAMED: ClassVar[dict[str, str]] = {
+        "masking.decoder_ratio": "model.objective.decoder_ratio",
+        "resume": "checkpoint.resume",
+    }
     """Old field names still accepted (files, command line, saved runs): old -> new."""
 
     def __post_init__(self) -> None:
@@ -318,13 +323,22 @@ def _write_encoder(module, state: dict[str, torch.Tensor], folder: Path) -> None
     fresh.save_pretrained(str(folder), safe_serialization=True)
 
 
+def pretrain_command(cfg: PretrainConfig) -> int:
+    """``retromae-ds pretrain``: :func:`pretrain` with a training job's exit statuses
+    (``training.loop.run_job``)."""
+    return run_job(pretrain, cfg, "retromae-ds pretrain")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_main(
+    """``python -m retromae_ds.pretrain`` (what the ``deepspeed`` launcher, ``torchrun`` and
+    ``slurm/pretrain.sh`` start): the same command as ``retromae-ds pretrain``."""
+    return run_command(
         PretrainConfig,
-        pretrain,
+        pretrain_command,
         argv,
         prog="retromae-ds pretrain",
         description=__doc__.splitlines()[0],
+        errors=JOB_ERRORS,
     )
 
 

@@ -149,7 +149,7 @@ fi
 join() { local IFS=,; echo "$*"; }
 MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 # the refresher is this job's other step (what --negatives.mine_first waits for)
-trainer=(--run_dir "$RUN_DIR" --resume auto --refresher external)
+trainer=(--run_dir "$RUN_DIR" --checkpoint.resume auto --refresher external)
 [ -n "$CONFIG" ] && trainer=(--config "$CONFIG" "${trainer[@]}")
 trainer+=("${TRAIN_ARGS[@]}")
 echo "finetune.sh: $(date +%T) job $SLURM_JOB_ID restart $restart: trainer $TRAIN_TASKS task(s) on" \

@@ -1,11 +1,11 @@
 #!/bin/bash
 # slurm/preprocess.sh - preprocessing on Slurm: an array job of T independent tasks, each
-# writing its disjoint share of the shards (retromae-ds preprocess --num-tasks T --task-index
+# writing its disjoint share of the shards (retromae-ds preprocess --num_tasks T --task_index
 # I), then the merge step (--merge: the one manifest) as a job that depends on the whole array
 # (afterok; cancelled if a task fails). The result is identical to one local run.
 #
 #   slurm/preprocess.sh --tasks 16 --out shards/wiki --cpus-per-task 4 --time 2:00:00 -- \
-#       'texts/*.jsonl' --tokenizer path/to/tokenizer --max-length 512
+#       'texts/*.jsonl' --tokenizer path/to/tokenizer --max_length 512
 #
 # Options (environment variable in brackets):
 #   --tasks T           array size (TASKS, default 4)
@@ -14,7 +14,7 @@
 #   --time T            time limit of each job (TIME, default 4:00:00)
 #   --wait              return when the merge job has ended, with its exit status
 #   -- ARGS...          inputs and options of `retromae-ds preprocess` (a tokenizer folder:
-#                       --train-tokenizer needs one process; train it first)
+#                       --train_tokenizer needs one process; train it first)
 # Prints "array JOBID merge JOBID". Partition/account: SBATCH_PARTITION, SBATCH_ACCOUNT.
 #SBATCH --job-name=retromae-preprocess
 #SBATCH --open-mode=append
@@ -72,12 +72,12 @@ task)
     die "array of $SLURM_ARRAY_TASK_COUNT tasks but --tasks $TASKS"
   index=$((SLURM_ARRAY_TASK_ID - ${SLURM_ARRAY_TASK_MIN:-0}))
   echo "preprocess.sh: $(date +%T) task $index of $TASKS on $(hostname)"
-  exec "$PY" -m retromae_ds.cli preprocess "${ARGS[@]}" --out "$OUT" --num-tasks "$TASKS" \
-    --task-index "$index" --workers "${SLURM_CPUS_PER_TASK:-$CPUS_PER_TASK}" --no-progress
+  exec "$PY" -m retromae_ds.cli preprocess "${ARGS[@]}" --out "$OUT" --num_tasks "$TASKS" \
+    --task_index "$index" --workers "${SLURM_CPUS_PER_TASK:-$CPUS_PER_TASK}" --progress false
   ;;
 merge)
   echo "preprocess.sh: $(date +%T) merging the tasks' shards on $(hostname)"
-  exec "$PY" -m retromae_ds.cli preprocess --out "$OUT" --merge --no-progress
+  exec "$PY" -m retromae_ds.cli preprocess --out "$OUT" --merge --progress false
   ;;
 *) die "--mode must be task or merge" ;;
 esac

@@ -34,7 +34,7 @@
 # `scancel --signal=USR1 --batch JOBID`); the shell forwards USR1 to srun, which delivers it
 # to every process of the step. The trainer finishes the current step on all ranks, writes a
 # complete checkpoint and exits 85 (retromae_ds.components.signals.EXIT_REQUEUE); on 85 this script runs
-# `scontrol requeue`, and the requeued job resumes from the checkpoint (--resume auto).
+# `scontrol requeue`, and the requeued job resumes from the checkpoint (--checkpoint.resume auto).
 # Any other non-zero status fails the job: srun --kill-on-bad-exit=1 ends every rank when one
 # dies, and --deepspeed.timeout_s bounds a collective waiting for a dead peer.
 #
@@ -130,7 +130,7 @@ fi
 NNODES=$SLURM_JOB_NUM_NODES
 NTASKS=${SLURM_NTASKS:-$NNODES}
 TASKS_PER_NODE=$((NTASKS / NNODES))
-trainer=(--run_dir "$RUN_DIR" --resume auto)
+trainer=(--run_dir "$RUN_DIR" --checkpoint.resume auto)
 [ -n "$CONFIG" ] && trainer=(--config "$CONFIG" "${trainer[@]}")
 trainer+=("${TRAIN_ARGS[@]}")
 echo "pretrain.sh: $(date +%T) job $SLURM_JOB_ID restart $restart: $NNODES node(s) x" \

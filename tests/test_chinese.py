@@ -311,7 +311,7 @@ def test_chinese_end_to_end_preprocess_pretrain_eval_rerank(shared_data, zh_toke
     r = subprocess.run(
         [*cli, "preprocess", str(csl / "corpus.jsonl"), str(csl / "train_titles.txt"),
          "--tokenizer", str(tok), "--out", str(shards), "--segmenter", "auto",
-         "--max-length", "64", "--workers", "2", "--no-progress"],
+         "--max_length", "64", "--workers", "2", "--progress", "false"],
         capture_output=True, text=True, env=ENV, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -325,7 +325,7 @@ def test_chinese_end_to_end_preprocess_pretrain_eval_rerank(shared_data, zh_toke
     out = tmp_path / "eval.json"
     r = subprocess.run(
         [*cli, "eval", "--model", str(run), "--beir", str(csl), "--split", "test",
-         "--max-length", "64", "--rerank", "--out", str(out), "--no-progress"],
+         "--max_length", "64", "--rerank", "--out", str(out), "--progress", "false"],
         capture_output=True, text=True, env=ENV, cwd=REPO,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

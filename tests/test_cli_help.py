@@ -1,5 +1,6 @@
-"""One front door (issue 29): every subcommand of ``retromae-ds`` answers ``--help`` with every
-option it takes and that option's default (or "required"), as a user reads it."""
+"""One front door (issues 29 and 47): every subcommand of ``retromae-ds`` parses through one
+parser (``base.options``) and answers ``--help`` with every setting it takes, spelt one way
+(``--section.field``), with its default (or "required"), as a user reads it."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ import typing
 
 import pytest
 
-from retromae_ds.cli import ENTRIES, build_parser, main
+from retromae_ds.cli import ENTRIES, build_parser, entries, main
 
-CONFIG_COMMANDS = {
-    "pretrain": ("retromae_ds.pretrain", "PretrainConfig"),
-    "finetune": ("retromae_ds.finetune", "FinetuneConfig"),
-    "refresh": ("retromae_ds.ance.refresh_config", "RefreshConfig"),
-}
-"""Subcommands whose options are the fields of a config dataclass (``--section.field``)."""
-
-FLAG_COMMANDS = (
+COMMANDS = (
+    "pretrain",
+    "finetune",
+    "refresh",
     "preprocess",
     "train-tokenizer",
     "make-tokenizer",
@@ -27,11 +24,11 @@ FLAG_COMMANDS = (
     "long-task",
     "eval",
 )
-"""Subcommands whose ``--name VALUE`` options are generated from a config dataclass
-(``cli.ENTRIES``, ``config.flag_parser``)."""
+"""The library's subcommands: options generated from a config dataclass (``cli.ENTRIES``)."""
 
-ARGPARSE_COMMANDS = ("demo",)
-"""Added from outside the library (the ``retromae_ds.commands`` entry point)."""
+ADDED_COMMANDS = ("demo",)
+"""Added from outside the library (the ``retromae_ds.commands`` entry point), parsed the same
+way."""
 
 
 def _help(capsys, *argv: str) -> str:
@@ -41,118 +38,109 @@ def _help(capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
-def _fields(cls: type, prefix: str = "") -> list[str]:
-    """Dotted names of every leaf field of config dataclass ``cls``."""
+def _fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """(dotted name, field) of every leaf field of config dataclass ``cls``."""
     hints = typing.get_type_hints(cls)
-    out: list[str] = []
+    out: list[tuple[str, dataclasses.Field]] = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             out += _fields(tp, f"{prefix}{f.name}.")
         elif f.init:
-            out.append(prefix + f.name)
+            out.append((prefix + f.name, f))
     return out
+
+
+def _parse(command: str, argv: list[str]):
+    from retromae_ds.base.options import parse_command
+
+    cls, _ = entries()[command].load()
+    return parse_command(cls, argv)
 
 
 def test_the_top_level_help_lists_every_subcommand(capsys):
     out = _help(capsys)
     listed = set(build_parser()._subparsers._group_actions[0].choices)
-    assert listed == set(CONFIG_COMMANDS) | set(FLAG_COMMANDS) | set(ARGPARSE_COMMANDS)
-    assert set(ENTRIES) == set(FLAG_COMMANDS)
+    assert listed == set(COMMANDS) | set(ADDED_COMMANDS)
+    assert set(ENTRIES) == set(COMMANDS)
     for command in listed:
         assert re.search(rf"^\s+{re.escape(command)}\s", out, re.M), command
 
 
-@pytest.mark.parametrize("command", sorted(CONFIG_COMMANDS))
-def test_config_commands_list_every_field_with_its_default(capsys, command):
-    import importlib
-
-    module, name = CONFIG_COMMANDS[command]
-    cls = getattr(importlib.import_module(module), name)
+@pytest.mark.parametrize("command", COMMANDS + ADDED_COMMANDS)
+def test_every_command_lists_every_field_in_one_spelling_with_its_default(capsys, command):
+    """Each leaf field is one line of --help: ``--dotted.name TYPE (default: ...)`` (or
+    "required"), a positional as ``DOTTED TYPE (positional...)``; and the parser takes each
+    option under exactly that name."""
+    cls, _ = entries()[command].load()
     out = _help(capsys, command)
-    fields = _fields(cls)
-    assert len(fields) > 5
-    for dotted in fields:
-        found = re.search(
-            rf"^  --{re.escape(dotted)} [^\n]*?(\n\s+)?\((default: |required\))", out, re.M
-        )
-        assert found, f"{command} --help: --{dotted} with its default"
-    assert "--config FILE" in out
-
-
-@pytest.mark.parametrize("command", FLAG_COMMANDS)
-def test_flag_commands_list_every_field_with_its_default(capsys, command):
-    """Each leaf field of the command's config is one option (or positional) in --help, with
-    its default or "required"."""
-    cls, _ = ENTRIES[command].load()
-    out = _help(capsys, command)
-    entries = re.split(r"\n(?=  \S)", out)
-    parser = ENTRIES[command].parser()
+    parser = entries()[command].parser()
     by_dest = {a.dest: a for a in parser._actions}
     fields = _fields(cls)
     assert fields
-    for dotted in fields:
+    for dotted, f in fields:
+        positional = f.metadata.get("flag", {}).get("positional")
+        shown = dotted.upper() if positional else f"--{dotted}"
+        found = re.search(
+            rf"^  {re.escape(shown)} [^\n]*?(\n\s+)?\((default: |required\)|positional)",
+            out,
+            re.M,
+        )
+        assert found, f"{command} --help: {shown} with its default"
         action = by_dest.get(dotted)
         assert action is not None, f"{command}: no option for field {dotted}"
-        names = tuple(action.option_strings) or (action.metavar,)
-        entry = next((e for e in entries if e.lstrip().startswith(names)), None)
-        assert entry is not None, f"{command} --help lacks {names}"
-        text = " ".join(entry.split())
-        assert "default" in text or "(required)" in text, f"{command}: {text}"
+        assert list(action.option_strings) == ([] if positional else [f"--{dotted}"])
     assert "--config FILE" in out
 
 
-def test_argparse_commands_list_every_option_with_its_default(capsys):
-    for command in ARGPARSE_COMMANDS:
-        parser = build_parser()._subparsers._group_actions[0].choices[command]
-        out = _help(capsys, command)
-        entries = re.split(r"\n(?=  \S)", out)
-        options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-        assert options
-        for action in options:
-            entry = next(
-                (e for e in entries if e.lstrip().startswith(tuple(action.option_strings))), None
-            )
-            assert entry is not None, f"{command} --help lacks {action.option_strings}"
-            text = " ".join(entry.split())
-            assert "default" in text or "(required)" in text, f"{command}: {text}"
-
-
-def test_flag_commands_keep_their_spellings_and_read_a_config_file(tmp_path, monkeypatch):
-    """The options written before the commands became config entries still parse to the same
-    settings (hyphens, --no-... switches, sizes, the source section's flat names, the Slurm
-    array index), and --config supplies any field, the command line winning."""
+def test_old_spellings_parse_to_the_settings_of_the_new_and_a_config_file_reads(
+    tmp_path, monkeypatch
+):
+    """The options written before the one spelling still parse to the same settings
+    (hyphens, --no-... switches, sizes, the source section's flat names, the Slurm array
+    index) as the new spelling, and --config supplies any field, the command line winning."""
     from retromae_ds.data.preprocess import PreprocessConfig
     from retromae_ds.data.sources import SourceOptions
 
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "7")
     monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", "6")
-    cfg = ENTRIES["preprocess"].parse(
+    cfg = _parse(
+        "preprocess",
         ["a.jsonl", "b/*.txt", "--out", "o", "--tokenizer", "tok", "--no-lowercase"]
         + ["--shard-size", "2MB", "--text-field", "body", "--txt-mode", "paragraph"]
-        + ["--num-tasks", "3", "--no-progress", "--segmenter", "none"]
+        + ["--num-tasks", "3", "--no-progress", "--segmenter", "none"],
     )
-    assert cfg == PreprocessConfig(
-        inputs=["a.jsonl", "b/*.txt"],
-        out="o",
-        tokenizer="tok",
-        lowercase=False,
-        shard_size=2 * 2**20,
-        num_tasks=3,
-        task_index=1,
-        progress=False,
-        source=SourceOptions(text_field="body", txt_mode="paragraph"),
+    new = _parse(
+        "preprocess",
+        ["a.jsonl", "b/*.txt", "--out", "o", "--tokenizer", "tok", "--lowercase", "false"]
+        + ["--shard_size", "2MB", "--source.text_field", "body", "--source.txt_mode"]
+        + ["paragraph", "--num_tasks", "3", "--progress", "false", "--segmenter", "none"],
+    )
+    assert (
+        cfg
+        == new
+        == PreprocessConfig(
+            inputs=["a.jsonl", "b/*.txt"],
+            out="o",
+            tokenizer="tok",
+            lowercase=False,
+            shard_size=2 * 2**20,
+            num_tasks=3,
+            task_index=1,
+            progress=False,
+            source=SourceOptions(text_field="body", txt_mode="paragraph"),
+        )
     )
     file = tmp_path / "pre.yaml"
     file.write_text("out: from-file\ntokenizer: tok\nworkers: 2\nsource:\n  title_field: title\n")
-    cfg = ENTRIES["preprocess"].parse(["x.jsonl", "--config", str(file), "--out", "cli"])
+    cfg = _parse("preprocess", ["x.jsonl", "--config", str(file), "--out", "cli"])
     assert (cfg.out, cfg.tokenizer, cfg.workers, cfg.source.title_field) == (
         "cli",
         "tok",
         2,
         "title",
     )
-    export = ENTRIES["export"].parse(["ckpt", "hf", "--no-normalize", "--pooling", "mean"])
+    export = _parse("export", ["ckpt", "hf", "--no-normalize", "--pooling", "mean"])
     assert (export.checkpoint, export.out, export.normalize, export.pooling) == (
         "ckpt",
         "hf",
@@ -170,7 +158,7 @@ def test_flag_commands_keep_their_spellings_and_read_a_config_file(tmp_path, mon
         (["eval", "--model", "m"], "required: --beir"),
     ],
 )
-def test_flag_commands_name_what_is_missing_or_wrong_in_one_line(capsys, argv, says):
+def test_commands_name_what_is_missing_or_wrong_in_one_line(capsys, argv, says):
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse's own usage errors
@@ -180,7 +168,7 @@ def test_flag_commands_name_what_is_missing_or_wrong_in_one_line(capsys, argv, s
     assert says in err and "Traceback" not in err, err
 
 
-def test_a_bad_config_file_of_a_flag_command_names_the_field(tmp_path, capsys):
+def test_a_bad_config_file_of_a_command_names_the_field(tmp_path, capsys):
     file = tmp_path / "pre.yaml"
     file.write_text("out: o\ntokenizer: t\nworkerz: 2\n")
     assert main(["preprocess", "x.jsonl", "--config", str(file)]) == 2

@@ -10,14 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from retromae_ds.base.config import (
-    build_config,
-    field_docs,
-    help_text,
-    make_parser,
-    parse_config,
-    parse_overrides,
-)
+from retromae_ds.base.config import field_docs, help_text
+from retromae_ds.base.options import build_config, canonical_argv, command_parser, parse_command
 from retromae_ds.components.engine import build_ds_config
 from retromae_ds.components.optim import lr_lambda
 from retromae_ds.pretrain import PretrainConfig
@@ -54,7 +48,7 @@ def test_overrides_reach_nested_fields_with_types(tmp_path):
         (["--progress", "maybe"], "progress: expected true/false"),
         (["--model.objective.name", "bert"], "objective.name must be one of"),
         (["--optim.schedule", "step"], "optim.schedule"),
-        (["--max_steps"], "needs a value"),
+        (["--max_steps"], "expected one argument"),
     ],
 )
 def test_bad_overrides_name_the_field(args, message):
@@ -67,7 +61,6 @@ def test_required_fields():
         build_config(PretrainConfig, None, ["--max_steps", "1"])
     with pytest.raises(ValueError, match="set max_steps or epochs"):
         build_config(PretrainConfig, None, ["--data.shards", "s"])
-    assert parse_overrides(["--a-b.c", "1"]) == {"a_b.c": "1"}
 
 
 def test_ds_config_takes_batch_settings_from_the_training_config(tmp_path):
@@ -199,28 +192,72 @@ def test_help_text_of_the_training_config_fits_the_terminal():
     assert "--optim.lr float  (default: 3e-05)" in help_text(FinetuneConfig)
 
 
-def test_parse_config_applies_the_file_then_the_command_line(tmp_path, capsys):
-    parser = make_parser(PretrainConfig, prog="retromae-ds pretrain", description="Pre-train.")
-    parser.add_argument("--resume", default=None)
+def test_parse_command_applies_the_file_then_the_command_line(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps({"data": {"shards": "s"}, "optim": {"lr": 0.5}}))
-    cfg, args = parse_config(
+    cfg = parse_command(
         PretrainConfig,
-        parser,
         ["--optim.lr", "2e-4", "--config", str(tmp_path / "c.json"), "--max_steps=3"]
-        + ["--resume", "none", "--masking.encoder_ratio", "0.15"],
+        + ["--checkpoint.resume", "none", "--masking.encoder_ratio", "0.15"],
     )
     assert (cfg.data.shards, cfg.optim.lr, cfg.max_steps) == ("s", 2e-4, 3)
-    assert cfg.masking.encoder_ratio == 0.15 and args.resume == "none"
+    assert cfg.masking.encoder_ratio == 0.15 and cfg.checkpoint.resume == "none"
     with pytest.raises(ValueError, match="unknown config field.*optim.lrr"):
-        parse_config(
-            PretrainConfig, parser, ["--data.shards", "s", "--max_steps=1", "--optim.lrr=1"]
-        )
+        parse_command(PretrainConfig, ["--data.shards", "s", "--max_steps=1", "--optim.lrr=1"])
     with pytest.raises(ValueError, match="max_steps: expected an integer"):
-        parse_config(PretrainConfig, parser, ["--data.shards", "s", "--max_steps", "x"])
+        parse_command(PretrainConfig, ["--data.shards", "s", "--max_steps", "x"])
+    parser = command_parser(PretrainConfig, prog="retromae-ds pretrain", description="Pre-train.")
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert "--section.field VALUE" in out and "--optim.lr float" in out and "--resume" in out
+    assert "--section.field VALUE" in out and "--optim.lr float" in out
+    assert "--checkpoint.resume str" in out and "--config FILE" in out
+
+
+def test_old_spellings_reach_their_field_with_one_note_each(capsys, monkeypatch):
+    """Issue 47: one spelling, ``--section.field_name``; the spellings before it (kebab-case
+    flags, ``--no-flag``, renamed fields, the flat names of a section's fields) still work,
+    each noted once on stderr, and mean exactly what the new spelling means."""
+    from retromae_ds.base import config as config_module
+    from retromae_ds.data.preprocess import PreprocessConfig
+
+    monkeypatch.setattr(config_module, "_NOTED", set())
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    old = canonical_argv(
+        PretrainConfig,
+        ["--local_rank=3", "--max-steps", "3", "--no-progress", "--resume", "auto"]
+        + ["--checkpoint.every-steps=7", "--masking.decoder_ratio", "0.6", "--max-steps", "4"],
+    )
+    assert old == [
+        "--max_steps", "3", "--progress=false", "--checkpoint.resume", "auto",
+        "--checkpoint.every_steps=7", "--model.objective.decoder_ratio", "0.6",
+        "--max_steps", "4",
+    ]  # fmt: skip
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "3"  # the deepspeed launcher's option, as torchrun sets it
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [
+        "note: --max-steps is now --max_steps (the old name still works)",
+        "note: --no-progress is now --progress false (the old name still works)",
+        "note: --resume is now --checkpoint.resume (the old name still works)",
+        "note: --checkpoint.every-steps is now --checkpoint.every_steps (the old name still works)",
+        "note: --masking.decoder_ratio is now --model.objective.decoder_ratio (the old name still "
+        "works)",
+    ]
+    base = ["--data.shards", "s", "--max_steps", "2"]
+    assert build_config(PretrainConfig, None, [*base, "--no-progress", "--resume", "none"]) == (
+        build_config(PretrainConfig, None, [*base, "--progress", "false"] + [
+            "--checkpoint.resume", "none"])
+    )  # fmt: skip
+    # booleans: alone, with a word, or with =; a following positional is not taken as a value
+    assert canonical_argv(PretrainConfig, ["--progress", "--seed", "1"])[0] == "--progress=true"
+    assert canonical_argv(PretrainConfig, ["--progress", "off"]) == ["--progress=off"]
+    flat = parse_command(
+        PreprocessConfig, ["a.jsonl", "--out", "o", "--tokenizer", "t", "--text-field", "body"]
+    )
+    assert flat.source.text_field == "body" and flat.inputs == ["a.jsonl"]
+    with pytest.raises(ValueError, match=r"unknown config field\(s\): optim.lrr, bogus"):
+        canonical_argv(PretrainConfig, ["--optim.lrr", "1", "--bogus"])
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "constant"])
@@ -296,7 +333,8 @@ def test_a_renamed_field_is_read_under_its_old_name_with_one_note(tmp_path, caps
     process; both names at once is an error naming both; a run saved with the old name
     resumes, and refuses a different value under the new one."""
     import retromae_ds.base.config as config
-    from retromae_ds.base.config import build_config, to_dict
+    from retromae_ds.base.config import to_dict
+    from retromae_ds.base.options import build_config
     from retromae_ds.pretrain import PretrainConfig
     from retromae_ds.training.loop import check_resume_config
 
@@ -342,14 +380,15 @@ def test_mining_settings_have_their_own_section_and_the_old_names_still_work(tmp
     not its own."""
     import retromae_ds.base.config as config
     from retromae_ds.ance.refresh_config import RefreshConfig
-    from retromae_ds.base.config import build_config, to_dict
+    from retromae_ds.base.config import to_dict
+    from retromae_ds.base.options import build_config
     from retromae_ds.finetune import FinetuneConfig
     from retromae_ds.training.loop import check_resume_config
 
     config._NOTED.clear()
     refresh = build_config(RefreshConfig, None, ["--top_k", "20", "--mining.num_negatives", "5"])
     assert (refresh.mining.top_k, refresh.mining.num_negatives) == (20, 5)
-    assert "top_k is now mining.top_k" in capsys.readouterr().err
+    assert "--top_k is now --mining.top_k" in capsys.readouterr().err
     old_file = tmp_path / "refresh_config.json"  # as an old trainer wrote it: flat
     old_file.write_text(json.dumps({"run_dir": "r", "skip_top": 2, "seed": 7, "device": "cpu"}))
     refresh = build_config(RefreshConfig, old_file, [])
@@ -360,8 +399,8 @@ def test_mining_settings_have_their_own_section_and_the_old_names_still_work(tmp
                                              "--refresh.top_k", "30"])  # fmt: skip
     assert (ft.refresh.device, ft.refresh.mining.top_k) == ("cpu", 30)
     err = capsys.readouterr().err
-    assert "refresher_device is now refresh.device" in err
-    assert "refresh.top_k is now refresh.mining.top_k" in err
+    assert "--refresher_device is now --refresh.device" in err
+    assert "--refresh.top_k is now --refresh.mining.top_k" in err
     with pytest.raises(ValueError, match="refresh.run_dir .* is not this run's folder"):
         build_config(FinetuneConfig, None, [*need, "--refresh.run_dir", str(tmp_path / "x")])
     same = build_config(FinetuneConfig, None, [*need, "--refresh.run_dir", str(tmp_path / "run")])

@@ -33,8 +33,8 @@ def test_demo_runs_end_to_end(tmp_path):
 
     extra = write_beir(tmp_path / "extra", *split_for_retrieval(list(iter_documents(400)), 4))
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "retromae_ds.cli", "demo", "--out", str(out), "--max-docs"]
-    cmd += ["1500", "--base-steps", "10", "--steps", "4", "--finetune-steps", "4"]
+    cmd = [sys.executable, "-m", "retromae_ds.cli", "demo", "--out", str(out), "--max_docs"]
+    cmd += ["1500", "--base_steps", "10", "--steps", "4", "--finetune_steps", "4"]
     cmd += ["--seeds", "0"]  # the demo's objectives: none, mlm, retromae (seeds: test_study)
     result = subprocess.run(
         cmd + ["--beir", str(extra)], capture_output=True, text=True, cwd=REPO, timeout=1200
@@ -159,12 +159,13 @@ def test_parse_size():
 
 
 def test_demo_full_is_the_longer_budget_and_given_sizes_replace_the_budgets():
-    from retromae_ds.cli import build_parser
+    from retromae_ds.base.options import parse_command
+    from retromae_recipes.commands import DemoConfig
     from retromae_recipes.demo import with_sizes
     from retromae_recipes.study_config import DEMO, DEMO_FULL
 
-    args = build_parser().parse_args(["demo", "--full", "--seeds", "0"])
-    assert args.full and args.out is None and args.steps is None
+    args = parse_command(DemoConfig, ["--full", "--seeds", "0"])
+    assert args.full and args.out is None and args.steps is None and args.seeds == [0]
     assert DEMO_FULL["steps"] > DEMO["steps"]
     # only the continuations' length and the curve's points differ from the main job
     assert {k for k in DEMO if DEMO[k] != DEMO_FULL[k]} == {"steps", "curve_points"}

@@ -241,8 +241,8 @@ def test_cmd_eval_writes_json(tiny_model_dir, tmp_path):
     folder = write_beir(tmp_path / "ds")
     out = tmp_path / "eval.json"
     argv = ["eval", "--model", str(tiny_model_dir), "--beir", str(folder), "--pooling", "mean"]
-    argv += ["--normalize", "--max-length", "32", "--batch-size", "4", "--device", "cpu"]
-    argv += ["--out", str(out), "--no-progress"]
+    argv += ["--normalize", "--max_length", "32", "--batch_size", "4", "--device", "cpu"]
+    argv += ["--out", str(out), "--progress", "false"]
     assert cli_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["settings"]["pooling"] == "mean" and result["settings"]["dim"] == 32

@@ -86,8 +86,8 @@ def test_logged_scores_are_what_retromae_ds_eval_computes(tmp_path, task):
             out = tmp_path / f"eval_{step}_{pooling}.json"
             subprocess.run(
                 [sys.executable, "-m", "retromae_ds.cli", "eval", "--model", str(checkpoint),
-                 "--beir", str(beir), "--pooling", pooling, "--max-length", "64",
-                 "--device", "cpu", "--no-progress", "--out", str(out)],
+                 "--beir", str(beir), "--pooling", pooling, "--max_length", "64",
+                 "--device", "cpu", "--progress", "false", "--out", str(out)],
                 cwd=REPO, env=ENV, check=True, capture_output=True, text=True, timeout=300,
             )  # fmt: skip
             expected = json.loads(out.read_text())["metrics"]

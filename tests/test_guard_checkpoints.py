@@ -156,7 +156,7 @@ def test_resolve_verifies_falls_back_and_hashes_a_folder_once(run, monkeypatch, 
 
 def test_eval_verifies_the_checkpoint_it_scores(run, beir, tmp_path, capsys):
     step2, step4 = run / "checkpoints" / STEP2, run / "checkpoints" / STEP4
-    common = ["--beir", str(beir), "--split", "test", "--no-progress", "--device", "cpu"]
+    common = ["--beir", str(beir), "--split", "test", "--progress", "false", "--device", "cpu"]
     assert main(["eval", "--model", str(step2), *common, "--out", str(tmp_path / "2.json")]) == 0
     flip_bit(step4 / "encoder" / "model.safetensors")
     capsys.readouterr()
@@ -278,14 +278,24 @@ def test_export_of_a_pruned_named_checkpoint_says_so(run, tmp_path, monkeypatch,
 
 def test_eval_records_the_capped_max_length(run, beir, tmp_path, capsys):
     out = tmp_path / "eval.json"
-    args = ["eval", "--model", str(run), "--beir", str(beir), "--no-progress", "--device", "cpu"]
-    assert main([*args, "--max-length", "2048", "--out", str(out)]) == 0
+    args = [
+        "eval",
+        "--model",
+        str(run),
+        "--beir",
+        str(beir),
+        "--progress",
+        "false",
+        "--device",
+        "cpu",
+    ]
+    assert main([*args, "--max_length", "2048", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     capped = [line for line in err.splitlines() if "capped" in line]
     assert len(capped) == 1 and "64" in capped[0], err  # the tiny run has 64 positions
     settings = json.loads(out.read_text())["settings"]
     assert settings["max_length"] == 64 and settings["max_length_requested"] == 2048
-    assert main([*args, "--max-length", "32", "--out", str(out)]) == 0
+    assert main([*args, "--max_length", "32", "--out", str(out)]) == 0
     assert "capped" not in capsys.readouterr().err
     assert json.loads(out.read_text())["settings"]["max_length"] == 32
 

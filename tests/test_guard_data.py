@@ -303,12 +303,12 @@ def expected(path: Path, column: int) -> str:
     "kind, options",
     [
         ("txt", []),
-        ("txt", ["--txt-mode", "paragraph"]),
-        ("txt", ["--workers", "2", "--shard-size", "2000"]),
-        ("txt", ["--train-tokenizer", "200"]),
+        ("txt", ["--txt_mode", "paragraph"]),
+        ("txt", ["--workers", "2", "--shard_size", "2000"]),
+        ("txt", ["--train_tokenizer", "200"]),
         ("jsonl", []),
-        ("jsonl", ["--workers", "2", "--shard-size", "2000"]),
-        ("jsonl", ["--train-tokenizer", "200"]),
+        ("jsonl", ["--workers", "2", "--shard_size", "2000"]),
+        ("jsonl", ["--train_tokenizer", "200"]),
         ("jsonl.gz", []),
         ("beir", []),
     ],
@@ -318,8 +318,17 @@ def test_invalid_utf8_names_file_line_and_column(
 ):
     path, column = bad_inputs[kind]
     given = str(path.parent) if kind == "beir" else str(path)
-    tok = [] if "--train-tokenizer" in options else ["--tokenizer", str(tokenizer_dir)]
-    argv = ["preprocess", given, "--out", str(tmp_path / "out"), "--no-progress", *tok, *options]
+    tok = [] if "--train_tokenizer" in options else ["--tokenizer", str(tokenizer_dir)]
+    argv = [
+        "preprocess",
+        given,
+        "--out",
+        str(tmp_path / "out"),
+        "--progress",
+        "false",
+        *tok,
+        *options,
+    ]
     assert main(argv) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert line == f"retromae-ds preprocess: error: {expected(path, column)}"
@@ -331,7 +340,7 @@ def test_invalid_utf8_in_train_tokenizer_names_file_line_and_column(
     bad_inputs, tmp_path, capsys, kind
 ):
     path, column = bad_inputs[kind]
-    argv = ["train-tokenizer", str(path), "--out", str(tmp_path / "tok"), "--vocab-size", "200"]
+    argv = ["train-tokenizer", str(path), "--out", str(tmp_path / "tok"), "--vocab_size", "200"]
     assert main(argv) == 2
     (line,) = error_lines(capsys.readouterr().err)
     assert line == f"retromae-ds train-tokenizer: error: {expected(path, column)}"

@@ -65,7 +65,7 @@ def beir(tmp_path_factory) -> Path:
     return folder
 
 
-EVAL = ["--split", "test", "--no-progress", "--device", "cpu"]
+EVAL = ["--split", "test", "--progress", "false", "--device", "cpu"]
 
 
 # --- item 1: separate towers -------------------------------------------------------------------
@@ -312,14 +312,14 @@ def test_identical_ids_are_a_flag_said_with_their_count_and_recorded(tiny, tmp_p
     said = [line for line in capsys.readouterr().err.splitlines() if "identical" in line]
     assert len(said) == 1, said
     assert "3 retrieved" in said[0] and "1 judged relevant" in said[0], said
-    assert "--no-ignore-identical-ids" in said[0], said
+    assert "--ignore_identical_ids false" in said[0], said
     result = json.loads(out.read_text())
     assert result["settings"]["ignore_identical_ids"] is True
     assert result["identical_ids"] == {"dropped": 3, "judged_relevant": 1}
     assert result["per_query"]["q0"]["recall@1000"] == 0.5  # its pair (q0, q0) is a miss
 
     out = tmp_path / "kept.json"
-    assert main([*args, "--no-ignore-identical-ids", "--out", str(out)]) == 0
+    assert main([*args, "--ignore_identical_ids", "false", "--out", str(out)]) == 0
     assert "identical" not in capsys.readouterr().err
     result = json.loads(out.read_text())
     assert result["settings"]["ignore_identical_ids"] is False

@@ -138,7 +138,7 @@ def test_a_resume_against_an_edited_beir_folder_is_refused_naming_the_files(inpu
     lines[5] = json.dumps({"_id": "d5", "title": "", "text": "an edited passage"})
     corpus.write_text("\n".join(lines) + "\n")
 
-    resumed = finetune(run, beir, init, "--resume", "auto")
+    resumed = finetune(run, beir, init, "--checkpoint.resume", "auto")
     assert resumed.returncode == 2, resumed.stderr[-3000:]
     lines = error_lines(resumed.stderr)
     assert len(lines) == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
@@ -148,7 +148,7 @@ def test_a_resume_against_an_edited_beir_folder_is_refused_naming_the_files(inpu
 
     for path, data in saved.items():
         path.write_bytes(data)
-    again = finetune(run, beir, init, "--resume", "auto")
+    again = finetune(run, beir, init, "--checkpoint.resume", "auto")
     assert again.returncode == 0, again.stderr[-3000:]
     steps = [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]

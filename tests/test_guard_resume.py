@@ -104,7 +104,7 @@ def test_an_unparseable_complete_record_is_a_corrupt_checkpoint(tmp_path, shards
 @pytest.mark.slow
 def test_a_run_whose_only_checkpoint_is_corrupt_is_not_started_over_silently(tmp_path, shards):
     """Item 4: ``keep_last 1`` and its only checkpoint corrupt. The rerun refuses in one line
-    naming it (it used to restart from step 0 and delete it); ``--resume none`` starts over
+    naming it (it used to restart from step 0 and delete it); ``--checkpoint.resume none`` starts over
     and keeps it, set aside."""
     run = tmp_path / "run"
     common = ("--max_steps", "2", "--log_every", "1", "--checkpoint.keep_last", "1")
@@ -117,11 +117,11 @@ def test_a_run_whose_only_checkpoint_is_corrupt_is_not_started_over_silently(tmp
     refused = pretrain(run, shards, *common, check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     (line,) = _error_lines(refused.stderr)
-    assert step2.name in line and "--resume none" in line, line
+    assert step2.name in line and "--checkpoint.resume none" in line, line
     assert _tree(run / "checkpoints") == before  # nothing deleted, nothing renamed
     assert metrics(run) == rows
 
-    fresh = pretrain(run, shards, *common, "--resume", "none")
+    fresh = pretrain(run, shards, *common, "--checkpoint.resume", "none")
     aside = run / "checkpoints" / f"{step2.name}.superseded"
     assert any(aside.name in x for x in fresh.stderr.splitlines()), fresh.stderr[-3000:]
     assert _tree(aside) == {k.removeprefix(f"{step2.name}/"): v for k, v in before.items()
@@ -157,7 +157,7 @@ def test_resume_sets_aside_every_newer_folder_and_refuses_when_none_verifies(tmp
 
     _flip(layout.checkpoint(2) / "weights.bin")
     names = sorted(p.name for p in layout.checkpoints.iterdir())
-    with pytest.raises(ckpt.CheckpointCorrupt, match="step_00000002.*--resume none"):
+    with pytest.raises(ckpt.CheckpointCorrupt, match="step_00000002.*--checkpoint.resume none"):
         ckpt.resolve_resume("auto", layout.root, log=lines.append)
     assert sorted(p.name for p in layout.checkpoints.iterdir()) == names
     # a second fallback past the same step keeps the first one set aside too
@@ -255,14 +255,15 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, shards):
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     newest = ckpt.latest_complete(run / "checkpoints")
     (line,) = [x for x in stderr.splitlines() if "interrupted" in x]
-    assert str(newest) in line and "--resume auto" in line, line
+    assert str(newest) in line and "--checkpoint.resume auto" in line, line
     assert json.loads((run / "config.json").read_text())["max_steps"] == 200
 
 
 def test_refresh_threads_may_change_on_resume(tmp_path):
     """Item 14: the refresher's CPU threads change how fast it mines, not what the resumed
     steps compute; a resume with another ``refresh.threads`` is allowed."""
-    from retromae_ds.base.config import build_config, to_dict
+    from retromae_ds.base.config import to_dict
+    from retromae_ds.base.options import build_config
     from retromae_ds.finetune import FinetuneConfig
     from retromae_ds.training.loop import check_resume_config
 

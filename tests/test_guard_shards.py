@@ -155,8 +155,8 @@ def test_a_full_disk_during_preprocessing_names_the_file_and_the_free_space(
     with small_disk("1m") as disk:
         out = disk / "out"
         cmd = [sys.executable, "-m", "retromae_ds.cli", "preprocess", str(src), "--out", str(out),
-               "--tokenizer", str(tokenizer_dir), "--max-length", "64", "--no-progress",
-               "--shard-size", "200KB", "--workers", workers]  # fmt: skip
+               "--tokenizer", str(tokenizer_dir), "--max_length", "64", "--progress", "false",
+               "--shard_size", "200KB", "--workers", workers]  # fmt: skip
         result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
         (line,) = _error_lines(result.stderr)

@@ -77,7 +77,7 @@ def test_wheel_ships_the_ds_configs_and_works_outside_the_repository(tmp_path):
         # the recipes' commands reach retromae-ds through an entry point, not an import
         (entry_points,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
         text = zf.read(entry_points).decode()
-        assert "[retromae_ds.commands]\ndemo = retromae_recipes.commands:add_demo" in text, text
+        assert "[retromae_ds.commands]\ndemo = retromae_recipes.commands:DEMO_ENTRY" in text, text
         assert "retromae_recipes/commands.py" in zf.namelist()
         # no top-level package with a generic name (torchtune, for one, installs "recipes")
         assert not any(n.startswith("recipes/") for n in zf.namelist())

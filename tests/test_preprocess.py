@@ -263,11 +263,12 @@ def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
         str(tmp_path / "out"),
         "--tokenizer",
         str(tokenizer_dir),
-        "--shard-size",
+        "--shard_size",
         "2KB",
-        "--max-length",
+        "--max_length",
         "32",
-        "--no-progress",
+        "--progress",
+        "false",
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "retromae_ds.cli", *args],
@@ -312,8 +313,8 @@ def test_a_worker_killed_mid_shard_fails_the_run_instead_of_hanging(tmp_path, to
 
     src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(400, seed=11))
     args = ["preprocess", str(src), "--out", str(tmp_path / "out"), "--tokenizer",
-            str(tokenizer_dir), "--shard-size", "2KB", "--max-length", "32", "--workers", "2",
-            "--no-progress"]  # fmt: skip
+            str(tokenizer_dir), "--shard_size", "2KB", "--max_length", "32", "--workers", "2",
+            "--progress", "false"]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "retromae_ds.cli", *args],
         cwd=REPO,
@@ -376,7 +377,8 @@ def test_bad_record_stops_with_file_and_line(tmp_path, tokenizer_dir, case):
         str(tmp_path / "out"),
         "--tokenizer",
         str(tokenizer_dir),
-        "--no-progress",
+        "--progress",
+        "false",
     )
     assert result.returncode != 0
     assert f"{bad}:{line}: {reason}" in result.stderr
@@ -403,9 +405,10 @@ def test_skip_mode_logs_every_rejected_line(tmp_path, tokenizer_dir):
         str(tmp_path / "out"),
         "--tokenizer",
         str(tokenizer_dir),
-        "--on-error",
+        "--on_error",
         "skip",
-        "--no-progress",
+        "--progress",
+        "false",
     )
     assert result.returncode == 0, result.stderr
     rejects = [
@@ -438,7 +441,8 @@ def test_unreadable_and_unsupported_inputs_have_clear_errors(tmp_path, tokenizer
             str(tmp_path / "out"),
             "--tokenizer",
             str(tokenizer_dir),
-            "--no-progress",
+            "--progress",
+            "false",
         )
 
     (tmp_path / "doc.pdf").write_bytes(b"%PDF")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from retromae_ds.base.config import build_config
+from retromae_ds.base.options import build_config
 from retromae_ds.finetune import FinetuneConfig
 from retromae_ds.pretrain import PretrainConfig
 from retromae_recipes.common import find_minilm

@@ -47,7 +47,7 @@ def test_rerun_with_other_tokenizer_training_settings_is_refused(tmp_path):
         run_preprocess(config([src], out, train_tokenizer=120, lowercase=False))
     message = str(info.value)
     assert "tokenizer training" in message and str(out) in message
-    assert "--train-tokenizer 80 lowercase -> --train-tokenizer 120 --no-lowercase" in message
+    assert "--train_tokenizer 80 lowercase -> --train_tokenizer 120 --lowercase false" in message
     with pytest.raises(ValueError, match="tokenizer training"):  # the vocabulary size alone
         run_preprocess(config([src], out, train_tokenizer=120))
     # nothing was replaced, and the same settings still resume
@@ -149,7 +149,7 @@ def test_disk_full_while_saving_the_trained_tokenizer(tmp_path, monkeypatch, cap
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
     assert not (out / "tokenizer").exists()
 
-    code = main(["preprocess", str(src), "--out", str(out), "--train-tokenizer", "80"])
+    code = main(["preprocess", str(src), "--out", str(out), "--train_tokenizer", "80"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and str(out / "tokenizer") in err[0]
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]

@@ -149,7 +149,7 @@ def test_a_model_folder_without_tokenizer_files_is_an_error(models, tmp_path, ca
         HFEncoder.from_dir(folder, device="cpu", progress=False)
     beir = write_beir(tmp_path / "ds", corpus_ids=["d0", "d1", "d2"])
     argv = ["eval", "--model", str(folder), "--beir", str(beir), "--device", "cpu"]
-    assert main([*argv, "--no-progress"]) != 0
+    assert main([*argv, "--progress", "false"]) != 0
     assert "no tokenizer files" in capsys.readouterr().err
 
 
@@ -202,7 +202,7 @@ def test_an_empty_corpus_is_an_error_naming_the_file(models, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"corpus\.jsonl.*no documents"):
         evaluate_beir(bag_of_words, folder, verbose=False, progress=False)
     argv = ["eval", "--model", str(models / "mlm"), "--beir", str(folder), "--device", "cpu"]
-    assert main([*argv, "--no-progress"]) != 0
+    assert main([*argv, "--progress", "false"]) != 0
     assert "corpus.jsonl" in capsys.readouterr().err
 
 

@@ -214,7 +214,8 @@ def test_too_few_vectors_at_add_time_names_the_index():
 
 def test_refresh_config_with_an_approximate_index_round_trips(tmp_path):
     from retromae_ds.ance.refresh_config import RefreshConfig
-    from retromae_ds.base.config import build_config, to_dict
+    from retromae_ds.base.config import to_dict
+    from retromae_ds.base.options import build_config
 
     cfg = RefreshConfig(index="IVF1024,PQ32", nprobe=64, train_size=100_000)
     path = tmp_path / "refresh.json"

@@ -287,7 +287,7 @@ def output_files(out: Path) -> dict[str, bytes]:
 
 
 def test_preprocess_array_job_equals_one_local_run(one_node, tmp_path, docs, tokenizer_dir):
-    opts = ["--max-length", "32", "--shard-size", "3000"]
+    opts = ["--max_length", "32", "--shard_size", "3000"]
     run_preprocess(
         PreprocessConfig(
             inputs=[str(docs)],

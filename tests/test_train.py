@@ -360,7 +360,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, syntheti
 
 
 def test_stop_signals_are_validated(synthetic_shards):
-    from retromae_ds.base.config import build_config
+    from retromae_ds.base.options import build_config
     from retromae_ds.components.signals import signal_number
     from retromae_ds.pretrain import PretrainConfig
 
@@ -473,7 +473,7 @@ def test_decoder_lr_scale_moves_only_the_decoder_faster(tmp_path, synthetic_shar
 def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
     tmp_path, synthetic_shards
 ):
-    """Fault injection: one flipped byte in a random file of the newest checkpoint. `--resume
+    """Fault injection: one flipped byte in a random file of the newest checkpoint. `--checkpoint.resume
     auto` says so, falls back to the previous checkpoint that verifies, and the losses after
     it equal an uninterrupted run's; the new checkpoint of that step replaces the bad one."""
     import random
@@ -507,7 +507,7 @@ def test_corrupt_checkpoint_file_falls_back_to_the_previous_verified_one(
     # naming the corrupt checkpoint explicitly is a one-line error naming the file
     data = bytearray(victim.read_bytes())
     victim.write_bytes(bytes(data[: len(data) // 2]))
-    bad = pretrain(run, synthetic_shards, *common, "--resume", str(step6), check=False)
+    bad = pretrain(run, synthetic_shards, *common, "--checkpoint.resume", str(step6), check=False)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert f"{victim}: " in bad.stderr and "bytes" in bad.stderr
     # export checks the encoder's files against the record too

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from retromae_ds.base.config import build_config
+from retromae_ds.base.options import build_config
 from retromae_ds.components import engine as eng
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler

@@ -4,7 +4,7 @@
 Same as ``retromae-ds preprocess``; ``--help`` lists the options. Example:
 
     python tools/preprocess_shards.py ../shared/data/wikitext2/wiki.test.raw \
-        --train-tokenizer 8000 --out shards/wiki --workers 2
+        --train_tokenizer 8000 --out shards/wiki --workers 2
 """
 
 import sys

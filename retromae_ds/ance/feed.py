@@ -54,7 +54,7 @@ class NegativesConfig:
     reported whatever this is."""
     on_stale: str = resumable("warn")
     """warn: one warning, training goes on with the version in use; stop: save a checkpoint of
-    that step, then fail in one line (``--resume auto`` goes on from it)."""
+    that step, then fail in one line (``--checkpoint.resume auto`` goes on from it)."""
 
     def __post_init__(self) -> None:
         if self.stale_after < 0:
@@ -137,7 +137,7 @@ class NegativesFeed:
         if alarm is not None and self.cfg.on_stale == "stop":
             raise StaleNegatives(
                 f"{alarm}; stopped (negatives.on_stale stop) after saving the checkpoint of "
-                f"step {step}: resume with --resume auto once a refresher can publish"
+                f"step {step}: resume with --checkpoint.resume auto once a refresher can publish"
             )
 
     # -- the local refresher and the first mined version ----------------------------------

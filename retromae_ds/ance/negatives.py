@@ -258,7 +258,7 @@ def wait_for_mined(
                 what = stop.received if stop and stop.received else "a stop signal on a rank"
                 report(
                     f"finetune: {what} during the wait for the first mined negatives: stopped; "
-                    f"the checkpoint {checkpoint} is complete: resume with --resume auto"
+                    f"the checkpoint {checkpoint} is complete: resume with --checkpoint.resume auto"
                 )
             raise StopRequested(0)
         if found >= 0:

@@ -82,7 +82,7 @@ from retromae_ds.ance.stages import (
     verify_stage,
 )
 from retromae_ds.base import faults
-from retromae_ds.base.errors import run_reporting
+from retromae_ds.base.options import run_command
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components import holder_lock
 from retromae_ds.components.layout import RunLayout
@@ -585,13 +585,9 @@ def _next_action(cfg: RefreshConfig, layout: RunLayout, data_dir: Path, watch: W
     return Decision("wait", why=why, ready=True)
 
 
-def _run_main(argv: list[str] | None) -> None:
-    from retromae_ds.base.config import make_parser, parse_config
-
-    parser = make_parser(
-        RefreshConfig, prog="retromae-ds refresh", description=__doc__.splitlines()[0]
-    )
-    cfg, _ = parse_config(RefreshConfig, parser, argv)
+def refresh_command(cfg: RefreshConfig) -> None:
+    """``retromae-ds refresh``: :func:`run_refresher`, a failed negatives write reported with
+    what the user can do about it."""
     try:
         run_refresher(cfg)
     except handoff.NegativesWriteError as exc:
@@ -604,10 +600,17 @@ def _run_main(argv: list[str] | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``retromae-ds refresh`` (also ``python -m retromae_ds.ance.refresher``, as the trainer's
-    local refresher and slurm/finetune.sh run it): one error line, exit 2 for bad input and 1
-    for files, a traceback only with ``RETROMAE_DS_DEBUG`` on (``errors.run_reporting``)."""
-    return run_reporting("retromae-ds refresh", _run_main, argv)
+    """``python -m retromae_ds.ance.refresher`` (the trainer's local refresher and
+    slurm/finetune.sh start it so): the same command as ``retromae-ds refresh``; one error
+    line, exit 2 for bad input and 1 for files, a traceback only with ``RETROMAE_DS_DEBUG``
+    on (``errors.run_reporting``)."""
+    return run_command(
+        RefreshConfig,
+        refresh_command,
+        argv,
+        prog="retromae-ds refresh",
+        description=__doc__.splitlines()[0],
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Nested dataclass configs: load from YAML/JSON, override any field from the command line.
+"""Nested dataclass configs: read from YAML/JSON mappings, every value converted by its
+field's type annotation, so a typo or a bad value fails with the field's name instead of deep
+inside training; old field names (``RENAMED``) moved to their new place with a note; the
+``--help`` text of a config (every field with its dotted name, type, default and docstring,
+the string literal under the field read from the source with ``ast``).
 
-``build_config(PretrainConfig, "job.yaml", ["--optim.lr", "1e-4", "--model.encoder.name=small"])``
-walks each dotted path and converts the value with the field's type annotation, so a typo or a
-bad value fails with the field's name instead of deep inside training. ``make_parser`` and
-``parse_config`` give a command its ``--help``: every field with its dotted name, type, default
-and docstring (the string literal under the field, read from the source with ``ast``).
+The command line over these configs is ``base.options`` (``parse_command``, ``build_config``).
 """
 
 from __future__ import annotations
@@ -105,8 +105,10 @@ def _parent_of(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None
 
 
 def _note_renamed(old: str, new: str) -> None:
-    if old not in _NOTED:
-        _NOTED.add(old)
+    """One note per old name and process, whether a file or the command line used it."""
+    key = old.lstrip("-").replace("-", "_")
+    if key not in _NOTED:
+        _NOTED.add(key)
         print(f"note: {old} is now {new} (the old name still works)", file=sys.stderr)
 
 
@@ -148,18 +150,18 @@ def _rename(cls: type, data: dict[str, Any], quiet: bool, saved: bool, prefix: s
                 _rename(hints[f.name], data[f.name], quiet, saved, f"{prefix}{f.name}.")
 
 
-def renamed_key(cls: type, dotted: str, prefix: str = "") -> str:
+def renamed_key(cls: type, dotted: str) -> str:
     """The current name of the dotted field (or section member) ``dotted`` of ``cls``
-    (old names in the ``RENAMED`` of ``cls`` or of the sections it names)."""
+    (old names in the ``RENAMED`` of ``cls`` or of the sections it names); the caller notes
+    the rename."""
     for old, new in getattr(cls, "RENAMED", {}).items():
         if dotted == old or dotted.startswith(old + "."):
-            _note_renamed(prefix + old, prefix + new)
             return new + dotted[len(old) :]
     head, _, rest = dotted.partition(".")
     if rest and dataclasses.is_dataclass(cls):
         section = typing.get_type_hints(cls).get(head)
         if _is_section(section):
-            inner = renamed_key(section, rest, f"{prefix}{head}.")
+            inner = renamed_key(section, rest)
             if inner != rest:
                 return f"{head}.{inner}"
     return dotted
@@ -217,27 +219,6 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def parse_overrides(args: list[str]) -> dict[str, str]:
-    """``["--a.b", "1", "--c=2"]`` -> ``{"a.b": "1", "c": "2"}``."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"expected --field.path VALUE, got {arg!r}")
-        key = arg[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-        else:
-            if i + 1 >= len(args):
-                raise ValueError(f"--{key} needs a value")
-            i += 1
-            value = args[i]
-        out[key.replace("-", "_")] = value
-        i += 1
-    return out
-
-
 def merge_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Apply dotted-key overrides onto a nested mapping (copying what it changes)."""
     data = json.loads(json.dumps(data))
@@ -250,13 +231,6 @@ def merge_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
                 raise ValueError(f"--{dotted}: {part} is not a section")
         node[leaf] = value
     return data
-
-
-def build_config(cls: type[T], file: str | Path | None, overrides: list[str]) -> T:
-    """Config from an optional file plus command-line overrides (the latter win)."""
-    data = apply_renamed(cls, load_file(file)) if file else {}
-    given = {renamed_key(cls, k): v for k, v in parse_overrides(overrides).items()}
-    return _build(cls, merge_dotted(data, given), "")
 
 
 def _class_docs(cls: type) -> tuple[str, dict[str, str]]:
@@ -442,8 +416,16 @@ def _help_section(
             sections.append((f, tp))
             continue
         default = _default_of(f, instance)
-        head = f"  --{prefix}{'.' if prefix else ''}{f.name} {_type_name(tp)}"
-        tail = "(required)" if default is _MISSING else f"(default: {_show_value(default)})"
+        shape = f.metadata.get(FLAG_KEY, {})
+        dotted = f"{prefix}{'.' if prefix else ''}{f.name}"
+        if shape.get("positional"):
+            head = f"  {dotted.upper()} {_type_name(tp)}"
+            tail = "(positional, required)" if default is _MISSING else "(positional)"
+        else:
+            head = f"  --{dotted} {_type_name(tp)}"
+            tail = "(required)" if default is _MISSING else f"(default: {_show_value(default)})"
+        if shape.get("choices"):
+            tail = f"{tail[:-1]}; one of: {', '.join(shape['choices'])})"
         if len(head) + 2 + len(tail) <= width:
             lines.append(f"{head}  {tail}")
         else:
@@ -457,57 +439,7 @@ def _help_section(
         _help_section(tp, dotted, section_instance, docs.get(f.name, ""), lines, width)
 
 
-OVERRIDE_SYNTAX = (
-    "Any config field can be set on the command line as --section.field VALUE (or\n"
-    "--section.field=VALUE; lists as JSON or comma-separated, booleans true/false, none for an\n"
-    "empty optional). The command line wins over the --config file, which wins over the\n"
-    "defaults. Fields:"
-)
-
-
-class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default ("off" for a flag) or "required", unless its
-    text already says which."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
-            return text
-        if action.required:
-            return f"{text} (required)"
-        return f"{text} (default: {'off' if action.nargs == 0 else '%(default)s'})"
-
-
-def make_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser with ``--config FILE`` whose ``--help`` lists every field of ``cls``.
-
-    Add the command's own options to it, then call ``parse_config(cls, parser, argv)``.
-    Abbreviated options are off, so an override is never taken for a prefix of an option.
-    """
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=description,
-        epilog=f"{OVERRIDE_SYNTAX}\n\n{help_text(cls)}",
-        formatter_class=HelpWithDefaults,
-        allow_abbrev=False,
-    )
-    parser.add_argument(
-        "--config", default=None, metavar="FILE", help="YAML or JSON config file (a mapping)"
-    )
-    return parser
-
-
-def parse_config(
-    cls: type[T], parser: argparse.ArgumentParser, argv: list[str] | None
-) -> tuple[T, argparse.Namespace]:
-    """Parse ``argv`` (None: ``sys.argv[1:]``): the parser's own options, then every other
-    ``--dotted.field VALUE`` as an override of the ``--config`` file. Unknown fields and bad
-    values raise ValueError naming the field, as ``build_config`` does."""
-    args, overrides = parser.parse_known_args(argv)
-    return build_config(cls, args.config, overrides), args
-
-
-# ------------------------------------------------------------------- flag-style commands
+# ------------------------------------------------------------- how a field reads on the line
 FLAG_KEY = "flag"
 
 
@@ -518,23 +450,14 @@ def flag(
     positional: bool = False,
     nargs: str | None = None,
     choices: tuple[str, ...] | None = None,
-    negate: str | None = None,
     parse: Any = None,
-    metavar: str | None = None,
 ) -> Any:
-    """A field of a flag-style command's config (``retromae-ds preprocess``, ``eval``,
-    ``export``, ...) with how it reads on the command line: ``positional`` (with ``nargs``),
-    ``choices``, ``negate`` (the ``--no-...`` name of a field that defaults to true),
-    ``parse`` (a str -> value function such as ``parse_size``), ``metavar``. A field declared
-    with plain ``field``/a default reads as ``--name-with-hyphens VALUE``."""
-    shape = {
-        "positional": positional,
-        "nargs": nargs,
-        "choices": choices,
-        "negate": negate,
-        "parse": parse,
-        "metavar": metavar,
-    }
+    """A config field with how it reads on the command line (``base.options``): a
+    ``positional`` argument (with ``nargs``) instead of ``--dotted.name VALUE``, ``choices``
+    (checked as the line is parsed, listed in ``--help``), ``parse`` (a str -> value function
+    such as ``parse_size``). A field declared with plain ``field``/a default reads as
+    ``--dotted.name VALUE``."""
+    shape = {"positional": positional, "nargs": nargs, "choices": choices, "parse": parse}
     metadata = {FLAG_KEY: {k: v for k, v in shape.items() if v not in (None, False)}}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
@@ -563,107 +486,6 @@ def _optional_of(tp: Any) -> Any:
         if len(args) == 1:
             return args[0]
     return tp
-
-
-def flag_parser(cls: type, *, prog: str, description: str) -> argparse.ArgumentParser:
-    """The parser of a flag-style command whose settings are the fields of dataclass ``cls``
-    (sections flattened: a leaf's name is unique). Each option's help is the field's docstring
-    with its default or "required"; ``--config FILE`` reads the same fields from a YAML/JSON
-    mapping (nested as the dataclass is), and options given on the command line win. Parsed
-    values are those given explicitly (``parse_flags`` fills in the rest)."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description=description,
-        formatter_class=HelpWithDefaults,
-        allow_abbrev=False,
-        argument_default=argparse.SUPPRESS,
-    )
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        help="YAML or JSON mapping of these settings (field names with '_', sections nested); "
-        "options on the command line win (default: none)",
-    )
-    docs: dict[str, str] = {}
-    for dotted, f, tp, default in _leaves(cls):
-        owner = cls
-        for part in dotted.split(".")[:-1]:
-            owner = typing.get_type_hints(owner)[part]
-        docs = field_docs(owner)
-        shape = f.metadata.get(FLAG_KEY, {})
-        text = " ".join(docs.get(f.name, "").split("\n\n")[0].split())
-        base = _optional_of(tp)
-        if default is _MISSING:
-            shown = "required"
-        elif base is bool and default is not None:
-            shown = "default: " + ("on; this flag turns it off" if default else "off")
-        else:
-            shown = f"default: {_show_value(default)}"
-        if "default" not in text:
-            text = f"{text} ({shown})" if text else f"({shown})"
-        kw: dict[str, Any] = {"help": text.replace("%", "%%")}
-        if shape.get("choices"):
-            kw["choices"] = shape["choices"]
-        if base is not bool and not shape.get("choices"):
-            kw["metavar"] = shape.get("metavar") or f.name.upper()
-        if shape.get("positional"):
-            kw["metavar"] = f.name
-            if shape.get("nargs"):
-                kw["nargs"] = shape["nargs"]
-            if typing.get_origin(base) is not list:
-                kw["type"] = shape.get("parse") or _scalar(base, f.name)
-            parser.add_argument(dotted, **kw)
-            continue
-        name = "--" + f.name.replace("_", "-")
-        if base is bool and default is True:
-            parser.add_argument(
-                shape.get("negate") or "--no-" + f.name.replace("_", "-"),
-                dest=dotted,
-                action="store_false",
-                **kw,
-            )
-        elif base is bool and default is None:
-            parser.add_argument(name, dest=dotted, action=argparse.BooleanOptionalAction, **kw)
-        elif base is bool:
-            parser.add_argument(name, dest=dotted, action="store_true", **kw)
-        elif typing.get_origin(base) is list:
-            parser.add_argument(name, dest=dotted, nargs=shape.get("nargs", "+"), **kw)
-        else:
-            kw["type"] = shape.get("parse") or _scalar(base, f.name)
-            parser.add_argument(name, dest=dotted, **kw)
-    return parser
-
-
-def _scalar(tp: Any, name: str) -> Any:
-    if tp in (int, float, str):
-        return tp
-    raise TypeError(f"{name}: no command-line form for {tp}")
-
-
-def parse_flags(
-    cls: type[T], argv: list[str], *, prog: str, description: str
-) -> tuple[T, argparse.Namespace]:
-    """``cls`` from ``argv``: its defaults, then the ``--config`` file, then the options given.
-    A required field given nowhere, an unknown field in the file or a bad value is a
-    ValueError naming it."""
-    given = flag_parser(cls, prog=prog, description=description).parse_args(argv)
-    values = dict(vars(given))
-    file = values.pop("config", None)
-    data = apply_renamed(cls, load_file(file)) if file else {}
-    data = merge_dotted(data, values)
-    missing = []
-    for dotted, f, _tp, default in _leaves(cls):
-        node: Any = data
-        for part in dotted.split("."):
-            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-        if node is _MISSING and default is _MISSING:
-            shape = f.metadata.get(FLAG_KEY, {})
-            missing.append(f.name if shape.get("positional") else "--" + f.name.replace("_", "-"))
-    if missing:
-        raise ValueError(
-            f"{prog}: required: {', '.join(missing)} (on the command line or in --config)"
-        )
-    return from_dict(cls, data), given
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

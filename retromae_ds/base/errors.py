@@ -29,6 +29,11 @@ class RunFailed(RuntimeError):
     timed out): reported in one line like bad input, exit 1."""
 
 
+JOB_ERRORS: tuple[type[BaseException], ...] = (*USER_ERRORS, RunFailed)
+"""What a training job (pretrain, finetune) reports in one line: bad input and a failed run;
+any other error is a bug and keeps its traceback."""
+
+
 def debug_enabled() -> bool:
     """Whether ``RETROMAE_DS_DEBUG`` asks for tracebacks (unset, empty or ``0`` do not)."""
     value = os.environ.get(DEBUG_ENV, "").strip().lower()

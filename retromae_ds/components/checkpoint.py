@@ -7,11 +7,11 @@ the DeepSpeed files, one ``rank_R.pt`` per rank and the encoder as a Hugging Fac
 pre-training and fine-tuning alike. Every rank writes into ``step_N.partial``; after a barrier
 rank 0 writes the ``COMPLETE`` record and renames the folder, then prunes old checkpoints
 (keep-last-k). DeepSpeed's own ``latest`` file is not written: it is updated by rank 0 before
-the other ranks finish. ``--resume auto`` takes the newest checkpoint that verifies against
+the other ranks finish. ``--checkpoint.resume auto`` takes the newest checkpoint that verifies against
 its record (:func:`resolve_resume`); every newer step folder (corrupt, or without a record) is
 set aside as ``step_N.corrupt``, never deleted, so the steps retrained after it are saved and
 pruning never sees it. A run folder whose checkpoints all fail is not started over unless the
-user says so (``--resume none``, which sets them aside as ``step_N.superseded``).
+user says so (``--checkpoint.resume none``, which sets them aside as ``step_N.superseded``).
 
 :func:`resolve_checkpoint` and :func:`resolve_encoder` are the one place that turns what a
 user names ("a run folder, a checkpoint, or a Hugging Face folder") into a folder, and the
@@ -249,7 +249,7 @@ def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
         raise CheckpointCorrupt(
             f"{root}: none of its {len(bad)} checkpoint(s) verifies ({named}"
             f"{'; ...' if len(bad) > 3 else ''}); not starting over on its own: rerun with "
-            "--resume none to start at step 0 (they are then set aside as step_N.superseded, "
+            "--checkpoint.resume none to start at step 0 (they are then set aside as step_N.superseded, "
             "not deleted)"
         )
     path = Path(resume)

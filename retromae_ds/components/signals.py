@@ -4,7 +4,7 @@ The handlers for ``stop_signals`` (SIGUSR1 and SIGTERM by default) only note the
 the next optimizer-step boundary the ranks agree (an all-reduce, so a signal that reached one
 rank stops all of them at the same step), write a complete checkpoint and exit with
 ``EXIT_REQUEUE`` (85). ``slurm/*.sh`` requeue the job on that status and the requeued job
-resumes from the checkpoint (``--resume auto``).
+resumes from the checkpoint (``--checkpoint.resume auto``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def signal_number(name: str) -> signal.Signals:
 
 class StopAfterCheckpoint(Exception):  # noqa: N818 (a mixin: the concrete error names it)
     """Mixed into an error ``Hooks.after_step`` raises to stop the run: the trainer first saves
-    the checkpoint of that step (unless it has), so ``--resume auto`` goes on from it."""
+    the checkpoint of that step (unless it has), so ``--checkpoint.resume auto`` goes on from it."""
 
 
 class StopRequested(Exception):

@@ -14,7 +14,7 @@ headings kept, the title line removed) and two query sets:
 
 The choice of sentence is a pure function of the article and ``seed``. Articles shorter
 than ``min_words`` words are left out. Evaluate with ``retromae-ds eval --split deep
---max-length 8192``.
+--max_length 8192``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Offline, parallel, resumable preprocessing of raw text into Arrow shards.
 
-Run as ``retromae-ds preprocess INPUT... --out DIR (--tokenizer DIR | --train-tokenizer N)``
+Run as ``retromae-ds preprocess INPUT... --out DIR (--tokenizer DIR | --train_tokenizer N)``
 or ``python tools/preprocess_shards.py ...``. Output folder::
 
     DIR/plan.json           the work units and every setting that shapes the output
     DIR/tokenizer/          the tokenizer the shards were made with
     DIR/shards/part-NNNNNN.arrow  (+ part-NNNNNN.json: the unit's completion record)
-    DIR/rejects.jsonl       with --on-error skip: every skipped record and why
+    DIR/rejects.jsonl       with --on_error skip: every skipped record and why
     DIR/manifest.json       written last; the dataset is complete when it exists
 
 Each unit of input becomes exactly one shard, written to a temporary name and renamed, so the
 output is byte-identical for any worker count, a killed run redoes only missing units, and
-``--num-tasks T --task-index I`` lets T independent processes (a Slurm array) share the work;
+``--num_tasks T --task_index I`` lets T independent processes (a Slurm array) share the work;
 ``--merge`` then writes the one manifest.
 
 A rerun into an existing folder resumes only when ``plan.json`` matches: the same settings
@@ -37,7 +37,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_compl
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
@@ -74,13 +74,19 @@ REJECTS_NAME = "rejects.jsonl"
 class PreprocessConfig:
     """Settings of one preprocessing run."""
 
+    RENAMED: ClassVar[dict[str, str]] = {
+        name: f"source.{name}"
+        for name in ("text_field", "title_field", "id_field", "title_sep", "txt_mode", "split")
+    }
+    """The source options were top-level flags before the one spelling (issue 47)."""
+
     inputs: list[str] = flag(default_factory=list, positional=True, nargs="*")
     """Files, globs or folders (.jsonl[.gz], .txt, .parquet, BEIR, datasets; see ``sources``)."""
     out: str
     """Output folder."""
     tokenizer: str | None = None
     """Local Hugging Face fast-tokenizer folder."""
-    train_tokenizer: int | None = flag(None, metavar="VOCAB_SIZE")
+    train_tokenizer: int | None = None
     """Train a WordPiece tokenizer of this vocabulary size on the inputs first."""
     lowercase: bool = True
     """Lower-case when training a tokenizer."""
@@ -134,10 +140,10 @@ class PreprocessConfig:
         if not 0 <= self.task_index < self.num_tasks:
             raise ValueError(f"task_index {self.task_index} outside [0, {self.num_tasks})")
         if not self.merge and (self.tokenizer is None) == (self.train_tokenizer is None):
-            raise ValueError("give exactly one of --tokenizer DIR and --train-tokenizer VOCAB_SIZE")
+            raise ValueError("give exactly one of --tokenizer DIR and --train_tokenizer VOCAB_SIZE")
         if self.train_tokenizer is not None and self.num_tasks > 1:
             raise ValueError(
-                "--train-tokenizer with --num-tasks > 1 would train one tokenizer per task; "
+                "--train_tokenizer with --num_tasks > 1 would train one tokenizer per task; "
                 "train it once first (retromae-ds train-tokenizer) and pass --tokenizer"
             )
 
@@ -421,8 +427,8 @@ def _describe_change(key: str, old: Any, new: Any) -> str:
         def how(t: dict | None) -> str:
             if t is None:
                 return "--tokenizer DIR"
-            case = "lowercase" if t["lowercase"] else "--no-lowercase"
-            return f"--train-tokenizer {t['vocab_size']} {case}"
+            case = "lowercase" if t["lowercase"] else "--lowercase false"
+            return f"--train_tokenizer {t['vocab_size']} {case}"
 
         return f"tokenizer training ({how(old)} -> {how(new)})"
     if key == "segmenter":
@@ -714,7 +720,7 @@ def _owner(out: Path, unit_index: int) -> str:
         if unit_index in task.get("units", ()):
             return (
                 f"rerun task {task['task_index']} of {task['num_tasks']} "
-                f"(--task-index {task['task_index']})"
+                f"(--task_index {task['task_index']})"
             )
     return "rerun the preprocessing task that wrote it"
 

@@ -108,7 +108,7 @@ def resolve(name: str, paths: list[str], dictionary: str | None = None, hmm: boo
         raise ValueError(f"segmenter must be one of {SEGMENTERS}, not {name!r}")
     if name == "none" or (name == "auto" and not inputs_have_han(paths)):
         if dictionary is not None:
-            raise ValueError("--segmenter-dict given, but no segmenter is used")
+            raise ValueError("--segmenter_dict given, but no segmenter is used")
         return None
     spec = SegmenterSpec("jieba", dictionary, hmm)
     dictionary_path(spec)  # a missing file or package fails here, before any work

@@ -8,7 +8,7 @@ timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same s
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
     retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean|dupmae|dupmae_bow] [--normalize]
-                     [--rerank [--rerank-negatives N | --candidates FILE]] [--no-ignore-identical-ids]
+                     [--rerank [--rerank_negatives N | --candidates FILE]] [--ignore_identical_ids false]
 
 A model with separate towers (a fine-tuning run with ``--model.shared false``, one of its
 checkpoints, or its export) encodes the queries with its query tower and the passages with its
@@ -283,7 +283,7 @@ def evaluate_beir(
             f"eval: ignore_identical_ids (BEIR's default): dropped {dropped} retrieved "
             f"document(s) whose id is their query's; {judged_identical} judged relevant "
             "(query, document) pair(s) share one id and count as misses; "
-            "--no-ignore-identical-ids keeps them",
+            "--ignore_identical_ids false keeps them",
             file=sys.stderr,
             flush=True,
         )
@@ -394,7 +394,7 @@ def _resolve(
     if isinstance(encoder, HFEncoder):  # the length it really uses, said when capped
         if requested and encoder.capped_by and encoder.max_length < requested:
             print(
-                f"eval: --max-length {requested} capped at {encoder.max_length}, "
+                f"eval: --max_length {requested} capped at {encoder.max_length}, "
                 f"{encoder.capped_by}",
                 file=sys.stderr,
                 flush=True,

@@ -31,11 +31,9 @@ import torch
 from retromae_ds.base import faults
 from retromae_ds.base.config import apply_renamed, flat_defaults, resume_may_change, to_dict
 from retromae_ds.base.errors import (
-    USER_ERRORS,
     DiskFull,
     RunFailed,
     disk_full_error,
-    run_reporting,
 )
 from retromae_ds.base.fsutil import atomic_write_json
 from retromae_ds.components import engine as eng
@@ -96,7 +94,7 @@ def check_resume_config(cfg: RunConfig, saved: Path) -> None:
         raise ValueError(
             f"resume: {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''} differ from "
             f"{saved}; these change what the resumed steps compute. Keep them, or start a new "
-            "run_dir (or --resume none to start over)"
+            "run_dir (or --checkpoint.resume none to start over)"
         )
 
 
@@ -337,7 +335,7 @@ class Trainer:
             kept = f"step {kept_step}" if kept_step is not None else "none yet"
             raise DiskFull(
                 f"{full}; the newest complete checkpoint ({kept}) is intact: free space and "
-                "rerun with --resume auto",
+                "rerun with --checkpoint.resume auto",
                 full.folder,
             ) from exc
 
@@ -414,7 +412,7 @@ class Trainer:
             if dist.rank == 0:
                 print(
                     f"stop signal: checkpoint of step {step} complete; exiting with "
-                    f"{EXIT_REQUEUE} (resume with --resume auto)",
+                    f"{EXIT_REQUEUE} (resume with --checkpoint.resume auto)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -565,7 +563,7 @@ EXIT_INTERRUPTED = 130
 
 def interrupted(prog: str, run_dir: str) -> int:
     """Ctrl-C: one line (rank 0) naming the run's newest complete checkpoint, the one a rerun
-    with ``--resume auto`` continues from; no traceback. The steps after it are lost (a stop
+    with ``--checkpoint.resume auto`` continues from; no traceback. The steps after it are lost (a stop
     signal, ``stop_signals``, checkpoints first)."""
     if eng.env_int("RANK", "SLURM_PROCID", default=0) == 0:
         try:
@@ -573,7 +571,7 @@ def interrupted(prog: str, run_dir: str) -> int:
         except OSError:
             newest = None
         where = (
-            f"the last complete checkpoint is {newest}: rerun with --resume auto to continue "
+            f"the last complete checkpoint is {newest}: rerun with --checkpoint.resume auto to continue "
             "from it"
             if newest is not None
             else f"no checkpoint in {run_dir} yet: a rerun starts at step 0"
@@ -582,46 +580,15 @@ def interrupted(prog: str, run_dir: str) -> int:
     return EXIT_INTERRUPTED
 
 
-def run_main(
-    config_cls: type,
-    run: Callable[[Any], Any],
-    argv: list[str] | None,
-    *,
-    prog: str,
-    description: str,
-) -> int:
-    """The command line of a training entry point: ``--config FILE``, ``--resume``, any
-    ``--section.field VALUE`` (``--help`` lists them all); exits with EXIT_REQUEUE after a stop
-    signal. A bad config or input prints one line, ``PROG: error: ...``, and exits 2 (1 for a
-    missing file, a full disk or a non-finite loss); ``RETROMAE_DS_DEBUG=1`` shows the traceback
-    instead (``retromae_ds.base.errors``)."""
-    import argparse
-    import os
-
-    from retromae_ds.base.config import build_config, make_parser
-
-    parser = make_parser(config_cls, prog=prog, description=description)
-    parser.add_argument(
-        "--resume", default=None, help="auto | none | CHECKPOINT (= --checkpoint.resume)"
-    )
-    # the deepspeed launcher passes --local_rank; LOCAL_RANK in the environment says the same
-    parser.add_argument(
-        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
-    )
-    args, overrides = parser.parse_known_args(argv)
-    if args.resume is not None:
-        overrides += ["--checkpoint.resume", args.resume]
-    if args.local_rank is not None:
-        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-
-    def build_and_run() -> int:
-        cfg = build_config(config_cls, args.config, overrides)
-        try:
-            run(cfg)
-        except StopRequested:
-            return EXIT_REQUEUE
-        except KeyboardInterrupt:
-            return interrupted(prog, cfg.run_dir)
-        return 0
-
-    return run_reporting(prog, build_and_run, errors=(*USER_ERRORS, RunFailed))
+def run_job(run: Callable[[Any], Any], cfg: Any, prog: str) -> int:
+    """A training job's run function as ``retromae-ds`` calls it: exit EXIT_REQUEUE after a
+    stop signal (the checkpoint is written), one line naming the newest checkpoint on Ctrl-C
+    (``interrupted``), 0 when it finishes. Bad input and a failed run (RunFailed) are
+    reported in one line by the front door (``cli.main``)."""
+    try:
+        run(cfg)
+    except StopRequested:
+        return EXIT_REQUEUE
+    except KeyboardInterrupt:
+        return interrupted(prog, cfg.run_dir)
+    return 0

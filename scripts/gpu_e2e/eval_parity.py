@@ -3,7 +3,7 @@ the device and the same command on the CPU, side by side.
 
 Both read one collection: SciFact's test queries over every abstract they judge plus a fixed
 sample of the others (the CPU's pass over the whole 5,183-abstract corpus would not fit the
-step's time limit on the device machine), at one ``--max-length``. Passes when both nDCG@10
+step's time limit on the device machine), at one ``--max_length``. Passes when both nDCG@10
 are present and plausible for MiniLM (above ``floor``) and differ by at most ``tol`` (0.01:
 a rank swap or two between float paths; tests/test_eval.py holds bf16 autocast to the same).
 
@@ -47,8 +47,8 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
             f"eval_{arm}",
             cli(
                 "eval", "--model", model, "--beir", str(beir), "--split", "test",
-                "--max-length", str(size["max_length"]), "--device", device,
-                "--out", str(out[arm]), "--no-progress",
+                "--max_length", str(size["max_length"]), "--device", device,
+                "--out", str(out[arm]), "--progress", "false",
             ),
         )  # fmt: skip
     for arm in devices:

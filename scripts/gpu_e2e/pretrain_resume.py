@@ -6,7 +6,7 @@ library's docstrings: real text on every machine, offline) into shards with a Wo
 trains; then ``deepspeed --num_gpus 1 --module retromae_ds.pretrain`` runs RetroMAE twice at
 once on the one device: straight to ``steps``, and with ``--stop_at_step`` (the time-boxed job's
 stop: a complete checkpoint, then exit); a third launch resumes the stopped run with
-``--resume auto``. Passes when the resumed run took up its checkpoint and its metrics rows
+``--checkpoint.resume auto``. Passes when the resumed run took up its checkpoint and its metrics rows
 after it equal the straight run's: bit for bit on CPU (as tests/test_train.py demands), within
 ``loss_tol`` on CUDA, where bf16 kernels need not be deterministic (the largest difference and
 whether the rows were bit-identical are recorded either way).
@@ -59,9 +59,9 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
     runner.run(
         "preprocess",
         cli(
-            "preprocess", str(work / "corpus.jsonl"), "--title-field", "title",
-            "--train-tokenizer", str(size["vocab"]), "--max-length", str(size["length"]),
-            "--out", str(shards), "--no-progress",
+            "preprocess", str(work / "corpus.jsonl"), "--source.title_field", "title",
+            "--train_tokenizer", str(size["vocab"]), "--max_length", str(size["length"]),
+            "--out", str(shards), "--progress", "false",
         ),
     )  # fmt: skip
     common = [
