@@ -280,3 +280,29 @@ def test_the_checker_sees_what_it_checks(tmp_path):
     assert placement("a.z", layers) == [(1, 0)]
     with pytest.raises(AssertionError, match="no ```layers block"):
         read_layers("no block")
+
+
+LONGEST_FUNCTION = 80
+"""Issue 47: a job reads top to bottom in functions a reader holds at once."""
+
+
+def test_no_function_of_the_library_is_longer_than_80_lines():
+    """Every function and method under ``retromae_ds/`` (docstring included) spans at most
+    ``LONGEST_FUNCTION`` lines; the check measures a planted long function, so it cannot pass
+    by measuring nothing."""
+
+    def long_functions(tree: ast.AST, path: str) -> list[str]:
+        return [
+            f"{path}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION
+        ]
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += long_functions(tree, str(path.relative_to(REPO)))
+    assert not found, "functions over 80 lines:\n" + "\n".join(found)
+    planted = "def f():\n" + "    x = 1\n" * LONGEST_FUNCTION
+    assert long_functions(ast.parse(planted), "planted.py") == ["planted.py:1 f (81 lines)"]

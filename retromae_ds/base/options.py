@@ -175,7 +175,7 @@ def canonical_argv(cls: type, argv: list[str]) -> list[str]:
                 value = "true"
         out.append(f"--{dotted}={value}")
     if unknown:
-        raise ValueError(f"unknown config field(s): {', '.join(unknown)} (--help lists them)")
+        raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
     return out
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -186,52 +186,77 @@ def load_towers(
     return passage, query, spec
 
 
+@dataclass(kw_only=True)
+class EncodeSettings:
+    """How an evaluation turns texts into vectors (``resolve``, ``encode``); ``auto`` / None:
+    the model folder's own, read by ``retromae_ds.hf.sbert``, else CLS, raw, 512 tokens. A
+    callable encoder ignores them."""
+
+    pooling: str = "auto"
+    normalize: bool | None = None
+    max_length: int | None = None
+    batch_size: int = 64
+    device: str = "auto"
+    amp_dtype: torch.dtype | None = None
+    progress: bool = True
+
+
+@dataclass(kw_only=True)
+class ScoreSettings:
+    """How an evaluation turns vectors into metrics (``score``)."""
+
+    measures: Sequence[str] = DEFAULT_MEASURES
+    """Metric names ``name@k``; the search depth is the largest k."""
+    metric: Metric = "ip"
+    backend: Backend = "auto"
+    ignore_identical_ids: bool = True
+    """Drop a retrieved document whose id is its query's (BEIR's default)."""
+    rerank: bool = False
+    """Also rerank each query's candidates (positives + ``rerank_negatives`` BM25 negatives,
+    or the JSONL lists of ``candidates``)."""
+    rerank_negatives: int = DEFAULT_NEGATIVES
+    candidates: str | Path | None = None
+
+
+def split_settings(settings: dict[str, Any]) -> tuple[EncodeSettings, ScoreSettings]:
+    """``evaluate_beir``'s keyword settings, each to the step that uses it; an unknown name
+    is a TypeError naming it."""
+    names = [{f.name for f in fields(cls)} for cls in (EncodeSettings, ScoreSettings)]
+    unknown = sorted(set(settings) - names[0] - names[1])
+    if unknown:
+        raise TypeError(f"evaluate_beir: unknown setting(s) {', '.join(unknown)}")
+    encode_cfg = EncodeSettings(**{k: v for k, v in settings.items() if k in names[0]})
+    return encode_cfg, ScoreSettings(**{k: v for k, v in settings.items() if k in names[1]})
+
+
 def evaluate_beir(
     encoder: str | Path | Encoder,
     beir_dir: str | Path | BeirData,
     split: str = "test",
     *,
     query_encoder: Encoder | None = None,
-    measures: Sequence[str] = DEFAULT_MEASURES,
-    pooling: str = "auto",
-    normalize: bool | None = None,
-    max_length: int | None = None,
-    batch_size: int = 64,
-    device: str = "auto",
-    amp_dtype: torch.dtype | None = None,
-    metric: Metric = "ip",
-    backend: Backend = "auto",
-    ignore_identical_ids: bool = True,
     out_json: str | Path | None = None,
-    progress: bool = True,
     verbose: bool = True,
-    rerank: bool = False,
-    rerank_negatives: int = DEFAULT_NEGATIVES,
-    candidates: str | Path | None = None,
+    **settings: Any,
 ) -> dict[str, Any]:
-    """Evaluate a dense retriever on one split of a BEIR dataset.
+    """Evaluate a dense retriever on one split of a BEIR dataset: load, ``resolve`` the
+    encoders, ``encode`` corpus and queries, ``score``, report.
 
     Args:
         encoder: a Hugging Face model folder, a checkpoint or a run folder (its newest
             checkpoint that verifies against its record; ``encoder_dir`` in the result names
             the folder used, ``query_encoder_dir`` the query tower of a model with separate
-            towers, which encodes the queries: ``retromae_ds.eval.towers``) (loaded with
-            ``pooling``, ``normalize``,
-            ``max_length``, ``batch_size``, ``device``, ``amp_dtype``; see ``HFEncoder``;
-            ``auto`` / None: the folder's own pooling, normalisation and length, read by
-            ``retromae_ds.hf.sbert``, else CLS, raw, 512), or any ``list[str] -> [N, D]``
-            callable (those arguments are then ignored). It encodes the corpus and the
-            queries unless ``query_encoder`` is given for the queries.
+            towers, which encodes the queries: ``retromae_ds.eval.towers``), or any
+            ``list[str] -> [N, D]`` callable. It encodes the corpus and the queries unless
+            ``query_encoder`` is given for the queries.
         beir_dir: a BEIR dataset folder, or a ``BeirData`` already loaded (with its split).
-        measures: metric names ``name@k``; the search depth is the largest k.
-        ignore_identical_ids: drop a retrieved document whose id is its query's (BEIR's
-            default); what it drops is said in one line and counted in ``identical_ids``.
         out_json: write the result there as JSON (atomically); never inside the model's or
             the BEIR folder, nor over a file that is not an earlier result (``ValueError``,
             before anything is encoded).
-        rerank: also rerank each query's candidates (its positives and ``rerank_negatives``
-            BM25 negatives, or the lists of the JSONL file ``candidates``): ``"rerank"`` key.
         verbose: print the summary table.
+        settings: the fields of :class:`EncodeSettings` (pooling, normalize, max_length,
+            batch_size, device, amp_dtype, progress) and :class:`ScoreSettings` (measures,
+            metric, backend, ignore_identical_ids, rerank, rerank_negatives, candidates).
 
     Raises ``ValueError`` for an empty corpus, no judged queries, or no judged document in the
     corpus; judged documents missing from the corpus are counted, with a warning on stderr.
@@ -240,45 +265,99 @@ def evaluate_beir(
         ``{"dataset", "split", "model", "encoder_dir", "query_encoder_dir", "num_corpus",
         "num_queries", "num_queries_skipped", "qrels_docs_missing", "identical_ids":
         {"dropped", "judged_relevant"}, "metrics": {measure: mean},
-        "per_query": {qid: {measure: value}}, "settings", "seconds"}``.
+        "per_query": {qid: {measure: value}}, "settings", "seconds"}`` (and ``"rerank"``).
     """
+    encode_cfg, score_cfg = split_settings(settings)
     if out_json is not None:
         check_out(
             out_json,
             model=encoder if isinstance(encoder, (str, Path)) else None,
             beir=None if isinstance(beir_dir, BeirData) else beir_dir,
         )
-    seconds: dict[str, float] = {}
     t = time.perf_counter()
     data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
-    seconds["load"] = time.perf_counter() - t
+    seconds = {"load": time.perf_counter() - t}
     missing_docs = _warn_missing(data)
-    # resolve: the towers and the settings they really use
-    model = _resolve(
-        encoder, query_encoder, pooling, normalize, max_length,
-        dict(batch_size=batch_size, device=device, amp_dtype=amp_dtype, progress=progress),
-    )  # fmt: skip
-    # encode
+    model = resolve(encoder, query_encoder, encode_cfg)
+    emb = encode(model, data, seconds)
+    scores = score(data, emb, score_cfg, seconds)
+    result = {
+        "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
+        "split": split,
+        **model.record(),
+        "num_corpus": len(data.corpus_ids),
+        "num_queries": len(scores.per_query),
+        "num_queries_skipped": len(data.qrels) - len(scores.per_query),
+        "qrels_docs_missing": len(missing_docs),
+        "identical_ids": {"dropped": scores.dropped, "judged_relevant": scores.judged_identical},
+        "metrics": scores.mean,
+        "settings": {
+            **model.settings(),
+            "amp_dtype": str(encode_cfg.amp_dtype).removeprefix("torch.")
+            if encode_cfg.amp_dtype
+            else None,
+            "metric": score_cfg.metric,
+            "ignore_identical_ids": score_cfg.ignore_identical_ids,
+            "dim": int(emb.corpus.shape[1]),
+            # where the encoder ran (an encoder given as a callable: not known here)
+            "device": str(model.encoder.device) if isinstance(model.encoder, HFEncoder) else None,
+        },
+        "seconds": {name: round(value, 3) for name, value in seconds.items()},
+        "per_query": scores.per_query,
+        **({"rerank": scores.reranked} if scores.reranked is not None else {}),
+    }
+    _report(result, out_json, verbose)
+    return result
+
+
+@dataclass
+class Embeddings:
+    """The query and corpus vectors of one evaluation (rows in ``BeirData`` order)."""
+
+    query: np.ndarray
+    corpus: np.ndarray
+
+
+def encode(model: Resolved, data: BeirData, seconds: dict[str, float]) -> Embeddings:
+    """Corpus and queries of ``data`` through the resolved encoders (their seconds into
+    ``seconds``); the two must agree on the dimension."""
     t = time.perf_counter()
-    corpus_emb = encode_texts(model.encoder, data.corpus_texts, desc="corpus")
+    corpus = encode_texts(model.encoder, data.corpus_texts, desc="corpus")
     seconds["encode_corpus"] = time.perf_counter() - t
     t = time.perf_counter()
-    query_emb = encode_texts(model.query_encoder, data.query_texts, desc="queries")
+    query = encode_texts(model.query_encoder, data.query_texts, desc="queries")
     seconds["encode_queries"] = time.perf_counter() - t
-    if query_emb.shape[1] != corpus_emb.shape[1]:
+    if query.shape[1] != corpus.shape[1]:
         raise ValueError(
-            f"query embeddings have dimension {query_emb.shape[1]}, corpus {corpus_emb.shape[1]}"
+            f"query embeddings have dimension {query.shape[1]}, corpus {corpus.shape[1]}"
         )
-    # score
+    return Embeddings(query, corpus)
+
+
+@dataclass
+class Scores:
+    """What ``score`` measured: metrics (mean, per query), identical ids dropped and judged,
+    and the reranking result when asked."""
+
+    mean: dict[str, float]
+    per_query: dict[str, dict[str, float]]
+    dropped: int
+    judged_identical: int
+    reranked: dict[str, Any] | None
+
+
+def score(data: BeirData, emb: Embeddings, cfg: ScoreSettings, seconds: dict[str, float]) -> Scores:
+    """Exact search of every query, its metrics, the identical-ids line when it dropped or
+    misses anything, and the reranking when asked (their seconds into ``seconds``)."""
     t = time.perf_counter()
     run, dropped = retrieve_counting(
-        query_emb, corpus_emb, data.query_ids, data.corpus_ids, max_cutoff(measures),
-        metric=metric, backend=backend, ignore_identical_ids=ignore_identical_ids,
+        emb.query, emb.corpus, data.query_ids, data.corpus_ids, max_cutoff(cfg.measures),
+        metric=cfg.metric, backend=cfg.backend, ignore_identical_ids=cfg.ignore_identical_ids,
     )  # fmt: skip
-    mean, per_query = evaluate_run(data.qrels, run, measures)
+    mean, per_query = evaluate_run(data.qrels, run, cfg.measures)
     seconds["search_and_metrics"] = time.perf_counter() - t
     judged_identical = identical_judged(data)
-    if ignore_identical_ids and (dropped or judged_identical):
+    if cfg.ignore_identical_ids and (dropped or judged_identical):
         print(
             f"eval: ignore_identical_ids (BEIR's default): dropped {dropped} retrieved "
             f"document(s) whose id is their query's; {judged_identical} judged relevant "
@@ -288,46 +367,21 @@ def evaluate_beir(
             flush=True,
         )
     reranked = None
-    if rerank or candidates is not None:
+    if cfg.rerank or cfg.candidates is not None:
         t = time.perf_counter()
-        reranked = _rerank(data, query_emb, corpus_emb, candidates, rerank_negatives)
+        reranked = _rerank(data, emb.query, emb.corpus, cfg.candidates, cfg.rerank_negatives)
         seconds["rerank"] = time.perf_counter() - t
+    return Scores(mean, per_query, dropped, judged_identical, reranked)
 
-    result = {
-        "dataset": str(beir_dir) if not isinstance(beir_dir, BeirData) else "<BeirData>",
-        "split": split,
-        "model": model.name,
-        "encoder_dir": None if model.towers is None else str(model.towers.passage),
-        "query_encoder_dir": (
-            None if model.towers is None or model.towers.query is None else str(model.towers.query)
-        ),
-        "num_corpus": len(data.corpus_ids),
-        "num_queries": len(per_query),
-        "num_queries_skipped": len(data.qrels) - len(per_query),
-        "qrels_docs_missing": len(missing_docs),
-        "identical_ids": {"dropped": dropped, "judged_relevant": judged_identical},
-        "metrics": mean,
-        "settings": {
-            **model.settings(),
-            "amp_dtype": str(amp_dtype).removeprefix("torch.") if amp_dtype else None,
-            "metric": metric,
-            "ignore_identical_ids": ignore_identical_ids,
-            "dim": int(corpus_emb.shape[1]),
-            # where the encoder ran (an encoder given as a callable: not known here)
-            "device": str(model.encoder.device) if isinstance(model.encoder, HFEncoder) else None,
-        },
-        "seconds": {name: round(value, 3) for name, value in seconds.items()},
-        "per_query": per_query,
-    }
-    if reranked is not None:
-        result["rerank"] = reranked
+
+def _report(result: dict[str, Any], out_json: str | Path | None, verbose: bool) -> None:
+    """The summary table (``verbose``) and the JSON file (``out_json``, atomically)."""
     if verbose:
         print(format_table(result))
     if out_json is not None:
         write_result(out_json, result)
         if verbose:
             print(f"wrote {out_json}")
-    return result
 
 
 def _warn_missing(data: BeirData) -> list[str]:
@@ -344,7 +398,7 @@ def _warn_missing(data: BeirData) -> list[str]:
 
 
 @dataclass
-class _Resolved:
+class Resolved:
     """The encoders an evaluation runs and the settings they really use."""
 
     name: str
@@ -366,25 +420,36 @@ class _Resolved:
             **({"max_length_requested": self.requested_length} if capped else {}),
         }
 
+    def record(self) -> dict[str, Any]:
+        """What the result says about the model: its name and the towers' folders."""
+        towers = self.towers
+        return {
+            "model": self.name,
+            "encoder_dir": None if towers is None else str(towers.passage),
+            "query_encoder_dir": (
+                None if towers is None or towers.query is None else str(towers.query)
+            ),
+        }
 
-def _resolve(
-    encoder: str | Path | Encoder,
-    query_encoder: Encoder | None,
-    pooling: str,
-    normalize: bool | None,
-    max_length: int | None,
-    load: dict[str, Any],
-) -> _Resolved:
+
+def resolve(
+    encoder: str | Path | Encoder, query_encoder: Encoder | None, cfg: EncodeSettings
+) -> Resolved:
     """A folder's towers loaded (its newest checkpoint that verifies; its own pooling,
-    normalisation and length where asked ``auto`` / None), or the callable as given; a
+    normalisation and length where ``cfg`` says ``auto`` / None), or the callable as given; a
     length capped by the model said in one line."""
-    requested, towers = max_length, None
+    pooling, normalize, requested, towers = cfg.pooling, cfg.normalize, cfg.max_length, None
+    max_length = requested
+    load = dict(
+        batch_size=cfg.batch_size, device=cfg.device, amp_dtype=cfg.amp_dtype,
+        progress=cfg.progress,
+    )  # fmt: skip
     if isinstance(encoder, (str, Path)):
         name = str(encoder)
         towers, (encoder, query_tower, spec) = load_newest(
             encoder,
             lambda found: load_towers(
-                found, pooling, normalize, max_length, queries=query_encoder is None, **load
+                found, pooling, normalize, requested, queries=query_encoder is None, **load
             ),
         )
         query_encoder = query_encoder or query_tower
@@ -400,7 +465,7 @@ def _resolve(
                 flush=True,
             )
         max_length = encoder.max_length
-    return _Resolved(
+    return Resolved(
         name, encoder, query_encoder or encoder, towers, pooling, normalize, max_length, requested
     )
 
@@ -465,21 +530,8 @@ class EvalConfig:
 
 
 def eval_command(cfg: EvalConfig) -> int:
-    """``retromae-ds eval``; returns the exit status."""
-    evaluate_beir(
-        cfg.model,
-        cfg.beir,
-        cfg.split,
-        pooling=cfg.pooling,
-        normalize=cfg.normalize,
-        max_length=cfg.max_length,
-        batch_size=cfg.batch_size,
-        device=cfg.device,
-        out_json=cfg.out,
-        progress=cfg.progress,
-        rerank=cfg.rerank,
-        rerank_negatives=cfg.rerank_negatives,
-        candidates=cfg.candidates,
-        ignore_identical_ids=cfg.ignore_identical_ids,
-    )
+    """``retromae-ds eval``; returns the exit status. Every field of ``EvalConfig`` but the
+    model, folder, split and output file is a setting of ``evaluate_beir`` of the same name."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("model", "beir", "split", "out")}
+    evaluate_beir(cfg.model, cfg.beir, cfg.split, out_json=cfg.out, **settings)
     return 0
