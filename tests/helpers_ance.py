@@ -23,6 +23,7 @@ import torch
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
 
+from helpers_model import NO_DROPOUT, small_config
 from synthetic import synthetic_texts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,15 +61,8 @@ def write_tiny_encoder(folder: Path, tokenizer_dir: Path, seed: int = 0) -> Path
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        pad_token_id=tok.pad_token_id,
+        **small_config(len(tok), max_position_embeddings=128, pad_token_id=tok.pad_token_id),
+        **NO_DROPOUT,
     )
     BertModel(config).save_pretrained(str(folder))
     tok.save_pretrained(str(folder))

@@ -34,15 +34,23 @@ def layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, x.shape[-1:], ln.weight, ln.bias, ln.eps)
 
 
-SMALL_CONFIG = dict(
-    vocab_size=100,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    intermediate_size=64,
-    hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0,
-)
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def small_config(vocab_size: int = 100, hidden: int = 32, layers: int = 2, **more) -> dict:
+    """Keyword arguments of a small BERT / RoBERTa / XLM-R config: ``layers`` layers of width
+    ``hidden``, 2 heads, an FFN twice as wide, and ``more`` (positions, dropout, pad id)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        **more,
+    )
+
+
+SMALL_CONFIG = small_config(**NO_DROPOUT)
 """Keyword arguments of a small BERT / RoBERTa / XLM-R config without dropout."""
 
 

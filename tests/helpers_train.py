@@ -33,6 +33,42 @@ def pretrain_args(shards: Path, run_dir: Path, *overrides: str) -> list[str]:
     return ["--data.shards", str(shards), "--run_dir", str(run_dir), *TINY_TRAIN, *overrides]
 
 
+def launch_cmd(module: str, args: list[str], ranks: int = 1, launcher: str = "torchrun"):
+    """The command line of ``python -m MODULE ARGS`` on ``ranks`` CPU ranks: one plain process,
+    ``torchrun`` (``torch.distributed.run --standalone``) or the ``deepspeed`` launcher."""
+    if ranks == 1:
+        return [sys.executable, "-m", module, *args]
+    if launcher == "deepspeed":
+        port = str(free_port())
+        return [
+            "deepspeed",
+            f"--num_gpus={ranks}",
+            "--master_port",
+            port,
+            "--module",
+            module,
+            *args,
+        ]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={ranks}", "-m", module, *args,
+    ]  # fmt: skip
+
+
+def run_logged(cmd: list[str], log: Path, *, env: dict, timeout: int, check: bool = True):
+    """``cmd`` run from the repository, its output kept in ``log``; a failure (with ``check``)
+    is an AssertionError quoting the error lines and naming the log."""
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    log.write_text(result.stdout + "\n---- stderr ----\n" + result.stderr)
+    if check and result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if "rror" in line or "Abort" in line]
+        raise AssertionError(
+            f"training failed ({result.returncode}); full log {log}; errors:\n"
+            + "\n".join(errors[-40:])
+        )
+    return result
+
+
 def pretrain(
     run_dir: Path,
     shards: Path,
@@ -42,42 +78,11 @@ def pretrain(
     env: dict | None = None,
     check: bool = True,
 ):
-    args = pretrain_args(shards, run_dir, *overrides)
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "retromae_ds.pretrain", *args]
-    elif launcher == "deepspeed":
-        cmd = [
-            "deepspeed",
-            f"--num_gpus={ranks}",
-            "--master_port",
-            str(free_port()),
-            "--module",
-            "retromae_ds.pretrain",
-            *args,
-        ]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            "-m",
-            "retromae_ds.pretrain",
-            *args,
-        ]
-    result = subprocess.run(
-        cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=900
+    cmd = launch_cmd(
+        "retromae_ds.pretrain", pretrain_args(shards, run_dir, *overrides), ranks, launcher
     )
     log = run_dir.parent / f"{run_dir.name}.launcher.log"
-    log.write_text(result.stdout + "\n---- stderr ----\n" + result.stderr)
-    if check and result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if "rror" in line or "Abort" in line]
-        raise AssertionError(
-            f"training failed ({result.returncode}); full log {log}; errors:\n"
-            + "\n".join(errors[-40:])
-        )
-    return result
+    return run_logged(cmd, log, env={**ENV, **(env or {})}, timeout=900, check=check)
 
 
 def free_port() -> int:

@@ -38,6 +38,7 @@ from helpers_ance import (
     write_synthetic_beir,
     write_tiny_encoder,
 )
+from helpers_model import NO_DROPOUT, small_config
 
 
 # --------------------------------------------------------------------------- mining
@@ -292,16 +293,7 @@ def _tiny_dual_encoder(seed: int):
     from retromae_ds.ance.model import DualEncoder
 
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=50,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = BertConfig(**small_config(50, 16, 1, max_position_embeddings=16), **NO_DROPOUT)
     return DualEncoder(BertModel(config, add_pooling_layer=False), temperature=0.5)
 
 

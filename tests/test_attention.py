@@ -86,19 +86,19 @@ def _compare_bf16(spec, q, k, v, backend, backend_spec=None):
 
 
 lengths_for = st.integers(1, 70)
-
-
-# ------------------------------------------------------------------------ window (CPU)
-@settings(max_examples=40, deadline=None)
-@given(
+SHAPES = dict(
     B=st.integers(1, 4),
     H=st.integers(1, 3),
     L=lengths_for,
     D=st.sampled_from([4, 8, 16]),
-    window=st.sampled_from([1, 2, 8]),
     seed=st.integers(0, 10_000),
-    data=st.data(),
 )
+"""Batch, heads, length, head dimension and seed of the CPU backends' property tests."""
+
+
+# ------------------------------------------------------------------------ window (CPU)
+@settings(max_examples=40, deadline=None)
+@given(**SHAPES, window=st.sampled_from([1, 2, 8]), data=st.data())
 def test_window_backend_matches_reference(B, H, L, D, window, seed, data):
     lengths = torch.tensor(data.draw(st.lists(st.integers(1, L), min_size=B, max_size=B)))
     _compare(WindowSpec(lengths, window), *_qkv(B, H, L, D, seed), "window")
@@ -106,15 +106,7 @@ def test_window_backend_matches_reference(B, H, L, D, window, seed, data):
 
 # ----------------------------------------------------------------------- chunked (CPU)
 @settings(max_examples=40, deadline=None)
-@given(
-    B=st.integers(1, 4),
-    H=st.integers(1, 3),
-    L=lengths_for,
-    D=st.sampled_from([4, 8, 16]),
-    ratio=st.sampled_from([0.3, 0.5, 0.7]),
-    chunk=st.integers(1, 80),
-    seed=st.integers(0, 10_000),
-)
+@given(**SHAPES, ratio=st.sampled_from([0.3, 0.5, 0.7]), chunk=st.integers(1, 80))
 def test_chunked_two_stream_matches_reference(B, H, L, D, ratio, chunk, seed):
     spec = _two_stream(B, L, seed, ratio)
     _compare(spec, *_qkv(B, H, L, D, seed), "chunked", chunk=chunk)

@@ -15,6 +15,7 @@ from retromae_ds.eval.beir import load_beir, load_corpus, load_qrels, load_queri
 from retromae_ds.eval.encode import HFEncoder, encode_texts
 from retromae_ds.eval.run import evaluate_beir, retrieve
 
+from helpers_model import small_config
 from synthetic import synthetic_texts
 
 VOCAB = ["apple", "banana", "cherry", "grape", "lemon", "mango"]
@@ -170,14 +171,7 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    config = BertConfig(**small_config(len(tokenizer), max_position_embeddings=64))
     BertModel(config).save_pretrained(out)
     return out
 

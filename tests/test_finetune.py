@@ -5,12 +5,11 @@ SciFact with the local refresher, against the un-fine-tuned model measured in th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers_train import launch_cmd, run_logged
 
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
@@ -19,7 +18,6 @@ from retromae_ds.components import checkpoint as ckpt
 
 from helpers_ance import (
     ENV,
-    REPO,
     assert_refresher_threads,
     scifact_slice,
     write_synthetic_beir,
@@ -29,28 +27,25 @@ from helpers_ance import (
 
 def finetune(run_dir: Path, *overrides: str, ranks: int = 1, timeout: int = 600):
     args = ["--run_dir", str(run_dir), "--progress", "false", *overrides]
-    if ranks == 1:
-        cmd = [sys.executable, "-m", "retromae_ds.finetune", *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            "-m",
-            "retromae_ds.finetune",
-            *args,
-        ]
-    result = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
-    log = run_dir.parent / f"{run_dir.name}.log"
-    log.write_text(result.stdout + "\n---- stderr ----\n" + result.stderr)
-    if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if "rror" in line]
-        raise AssertionError(
-            f"finetune failed ({result.returncode}); log {log}:\n" + "\n".join(errors[-30:])
-        )
-    return result
+    cmd = launch_cmd("retromae_ds.finetune", args, ranks)
+    return run_logged(cmd, run_dir.parent / f"{run_dir.name}.log", env=ENV, timeout=timeout)
+
+
+def tiny_task(
+    tmp_path: Path, tokenizer_dir: Path, *, micro_batch: int, n_hard: int, steps: int, zero: int
+) -> list[str]:
+    """The arguments of a fine-tuning run of a tiny encoder on a synthetic set (90 passages,
+    28 queries), one log row per step, ZeRO stage ``zero`` in fp32."""
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    ds = f'["ds_configs/zero{zero}.json", "ds_configs/fp32.json"]'
+    return [
+        "--data.beir", str(beir), "--model.init", str(encoder),
+        "--data.q_max_len", "16", "--data.p_max_len", "32", "--micro_batch_size", str(micro_batch),
+        "--negatives.n_hard", str(n_hard), "--refresh.mining.num_negatives", "3",
+        "--max_steps", str(steps), "--log_every", "1", "--optim.lr", "1e-3",
+        "--optim.warmup_steps", "1", "--deepspeed.config", ds,
+    ]  # fmt: skip
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -61,16 +56,8 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_two_ranks_without_refresher_swap_at_a_step_boundary_and_exact_resume(
     tmp_path, tokenizer_dir
 ):
-    beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
-    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
-    common = [
-        "--data.beir", str(beir), "--model.init", str(encoder),
-        "--data.q_max_len", "16", "--data.p_max_len", "32",
-        "--micro_batch_size", "3", "--negatives.n_hard", "2", "--refresh.mining.num_negatives", "3",
-        "--max_steps", "6", "--log_every", "1", "--negatives.refresh_every", "5",
-        "--optim.lr", "1e-3", "--optim.warmup_steps", "1",
-        "--deepspeed.config", '["ds_configs/zero2.json", "ds_configs/fp32.json"]',
-    ]  # fmt: skip
+    common = tiny_task(tmp_path, tokenizer_dir, micro_batch=3, n_hard=2, steps=6, zero=2)
+    common += ["--negatives.refresh_every", "5"]
     # no refresher anywhere: the trainer publishes BM25 negatives (v0) and trains on them
     finetune(tmp_path / "straight", *common, ranks=2)
     straight = metrics(tmp_path / "straight")
@@ -159,16 +146,8 @@ def test_mine_first_trains_only_on_negatives_mined_with_the_initial_encoder(
     from it, and the first step already uses those negatives; BM25 v0 is never trained on.
     When no refresher publishes, the trainer fails with a clear error instead of waiting
     forever (without any refresher, ``tests/test_guard_finetune.py``: refused up front)."""
-    beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
-    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
-    common = [
-        "--data.beir", str(beir), "--model.init", str(encoder),
-        "--data.q_max_len", "16", "--data.p_max_len", "32",
-        "--micro_batch_size", "4", "--negatives.n_hard", "1", "--refresh.mining.num_negatives", "3",
-        "--max_steps", "4", "--log_every", "1", "--negatives.mine_first", "true",
-        "--optim.lr", "1e-3", "--optim.warmup_steps", "1",
-        "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
-    ]  # fmt: skip
+    common = tiny_task(tmp_path, tokenizer_dir, micro_batch=4, n_hard=1, steps=4, zero=0)
+    common += ["--negatives.mine_first", "true"]
     run = tmp_path / "run"
     finetune(run, *common, "--refresher", "local", "--refresh.device", "cpu",
              "--refresh.poll_s", "0.2", "--refresh.progress", "false",

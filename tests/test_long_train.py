@@ -13,6 +13,8 @@ from helpers_train import metrics, pretrain
 
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
 
+from helpers_model import small_config
+
 LONG = 2048
 
 
@@ -49,13 +51,9 @@ def _checkpoint_at_512(folder: Path, shards: Path) -> Path:
     tokenizer = load_tokenizer(shards / "tokenizer")
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
+        **small_config(
+            len(tokenizer), 64, max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id
+        )
     )
     BertForMaskedLM(config).save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))

@@ -254,22 +254,11 @@ def test_rerun_with_other_settings_into_the_same_folder_is_refused(tmp_path, tok
 
 
 # ---------------------------------------------------------------------- resume after a kill
-def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
-    src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(400, seed=10))
-    args = [
-        "preprocess",
-        str(src),
-        "--out",
-        str(tmp_path / "out"),
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--shard_size",
-        "2KB",
-        "--max_length",
-        "32",
-        "--progress",
-        "false",
-    ]
+def _slow_preprocess(src: Path, out: Path, tokenizer_dir: Path, *extra: str):
+    """(the running ``retromae-ds preprocess`` of ``src`` into 2 KB shards, each held half
+    a second before its rename so that a kill can land mid-shard; its arguments)."""
+    args = ["preprocess", str(src), "--out", str(out), "--tokenizer", str(tokenizer_dir),
+            "--shard_size", "2KB", "--max_length", "32", "--progress", "false", *extra]  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "retromae_ds.cli", *args],
         cwd=REPO,
@@ -277,6 +266,12 @@ def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    return proc, args
+
+
+def test_killed_run_resumes_keeping_complete_shards(tmp_path, tokenizer_dir):
+    src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(400, seed=10))
+    proc, args = _slow_preprocess(src, tmp_path / "out", tokenizer_dir)
     shard_dir = tmp_path / "out" / "shards"
     deadline = time.monotonic() + 120
     # kill it while a shard is half-way (temporary file present) after some shards completed
@@ -312,16 +307,7 @@ def test_a_worker_killed_mid_shard_fails_the_run_instead_of_hanging(tmp_path, to
     import psutil
 
     src = write_jsonl(tmp_path / "docs.jsonl", synthetic_texts(400, seed=11))
-    args = ["preprocess", str(src), "--out", str(tmp_path / "out"), "--tokenizer",
-            str(tokenizer_dir), "--shard_size", "2KB", "--max_length", "32", "--workers", "2",
-            "--progress", "false"]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "retromae_ds.cli", *args],
-        cwd=REPO,
-        env={**os.environ, **faults.env(sleep_before_shard_rename_s=0.5)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+    proc, args = _slow_preprocess(src, tmp_path / "out", tokenizer_dir, "--workers", "2")
     shard_dir = tmp_path / "out" / "shards"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (
