@@ -53,9 +53,7 @@ from retromae_ds.ance.feed import NegativesConfig, NegativesFeed
 from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.base.config import resumable, to_dict
-from retromae_ds.base.errors import JOB_ERRORS
 from retromae_ds.base.fsutil import atomic_write_text
-from retromae_ds.base.options import run_command
 from retromae_ds.components import engine as eng
 from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.components.layout import RunLayout
@@ -63,7 +61,7 @@ from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.hf import sbert
 from retromae_ds.training.config import OptimConfig, RunConfig
-from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_job, steps_for
+from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
 
 
 @dataclass(kw_only=True)
@@ -348,13 +346,8 @@ def finetune_command(cfg: FinetuneConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m retromae_ds.finetune`` (what the ``deepspeed`` launcher, ``torchrun`` and
     ``slurm/finetune.sh`` start): the same command as ``retromae-ds finetune``."""
-    return run_command(
-        FinetuneConfig,
-        finetune_command,
-        argv,
-        prog="retromae-ds finetune",
-        description=__doc__.splitlines()[0],
-        errors=JOB_ERRORS,
+    return job_main(
+        FinetuneConfig, finetune_command, argv, prog="retromae-ds finetune", doc=__doc__
     )
 
 

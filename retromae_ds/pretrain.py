@@ -22,8 +22,6 @@ from typing import Any, ClassVar
 import torch
 
 from retromae_ds.base.config import resumable
-from retromae_ds.base.errors import JOB_ERRORS
-from retromae_ds.base.options import run_command
 from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components import engine as eng
 from retromae_ds.components.layout import ENCODER
@@ -36,7 +34,7 @@ from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
 from retromae_ds.training.config import RunConfig
-from retromae_ds.training.loop import Hooks, Trainer, run_guarded, run_job, steps_for
+from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
 
 
 @dataclass(kw_only=True)
@@ -332,13 +330,8 @@ def pretrain_command(cfg: PretrainConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m retromae_ds.pretrain`` (what the ``deepspeed`` launcher, ``torchrun`` and
     ``slurm/pretrain.sh`` start): the same command as ``retromae-ds pretrain``."""
-    return run_command(
-        PretrainConfig,
-        pretrain_command,
-        argv,
-        prog="retromae-ds pretrain",
-        description=__doc__.splitlines()[0],
-        errors=JOB_ERRORS,
+    return job_main(
+        PretrainConfig, pretrain_command, argv, prog="retromae-ds pretrain", doc=__doc__
     )
 
 

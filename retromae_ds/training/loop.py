@@ -31,11 +31,13 @@ import torch
 from retromae_ds.base import faults
 from retromae_ds.base.config import apply_renamed, flat_defaults, resume_may_change, to_dict
 from retromae_ds.base.errors import (
+    JOB_ERRORS,
     DiskFull,
     RunFailed,
     disk_full_error,
 )
 from retromae_ds.base.fsutil import atomic_write_json
+from retromae_ds.base.options import run_command
 from retromae_ds.components import engine as eng
 from retromae_ds.components import memory
 from retromae_ds.components.checkpoint import (
@@ -578,6 +580,18 @@ def interrupted(prog: str, run_dir: str) -> int:
         )
         print(f"{prog}: interrupted (Ctrl-C); {where}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
+
+
+def job_main(
+    config_cls: type, command: Callable[[Any], int], argv: list[str] | None, *, prog: str, doc: str
+) -> int:
+    """``python -m retromae_ds.JOB`` (what the ``deepspeed`` launcher, ``torchrun`` and the Slurm
+    scripts start): the job's ``retromae-ds`` command through the one entry path
+    (``options.run_command``), reporting bad input and a failed run in one line."""
+    description = doc.splitlines()[0]
+    return run_command(
+        config_cls, command, argv, prog=prog, description=description, errors=JOB_ERRORS
+    )
 
 
 def run_job(run: Callable[[Any], Any], cfg: Any, prog: str) -> int:
