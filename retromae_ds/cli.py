@@ -1,5 +1,6 @@
-"""The ``retromae-ds`` command line: one entry point, one subcommand per job; ``--help`` of
-each lists every option with its default.
+"""The ``retromae-ds`` command line: one entry point, one subcommand per job.
+
+Each subcommand's ``--help`` lists every option with its default.
 
 retromae-ds demo [--full]      the main job on the built-in corpus (README; retromae_recipes/demo.py,
                                added through the ``retromae_ds.commands`` entry point)
