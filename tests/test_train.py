@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import ENV, REPO, TINY, free_port, metrics, pretrain
+from helpers_train import ENV, REPO, TINY, free_port, launch_cmd, metrics, pretrain, run_logged
 from helpers_train import synthetic_shards as make_shards
 
 from retromae_ds.base import faults
@@ -211,6 +211,29 @@ def test_deepspeed_launcher_and_torchrun_agree(tmp_path, synthetic_shards):
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 3
     final = ckpt.latest_complete(tmp_path / "deepspeed" / "checkpoints")
     assert ckpt.read_marker(final)["world_size"] == 2
+
+
+def test_the_old_spellings_train_exactly_as_the_new(tmp_path, synthetic_shards):
+    """Issue 47: ``python -m retromae_ds.pretrain`` with the spellings before the one spelling
+    (kebab-case, ``--no-progress``, ``--resume``) runs the same training as the new spelling,
+    loss for loss, and says each old name once."""
+    new = ["--max_steps", "2", "--log_every", "1", "--checkpoint.resume", "none"]
+    pretrain(tmp_path / "new", synthetic_shards, *new)
+    old = [
+        "--data.shards", str(synthetic_shards), "--run-dir", str(tmp_path / "old"),
+        "--no-progress", "--model.encoder.name", "tiny",
+        "--model.encoder.max-position-embeddings", "64", "--micro-batch-size", "8",
+        "--optim.lr", "1e-3", "--optim.warmup-steps", "2", "--max-steps", "2",
+        "--log-every", "1", "--resume", "none",
+    ]  # fmt: skip
+    result = run_logged(launch_cmd("retromae_ds.pretrain", old), tmp_path / "old.log", env=ENV,
+                        timeout=600)  # fmt: skip
+    a, b = metrics(tmp_path / "new"), metrics(tmp_path / "old")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and len(a) == 2
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert "note: --run-dir is now --run_dir (the old name still works)" in notes
+    assert "note: --resume is now --checkpoint.resume (the old name still works)" in notes
+    assert len(notes) == len(set(notes)) == 8, notes  # one per old name
 
 
 @pytest.mark.slow
