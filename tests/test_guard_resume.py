@@ -229,6 +229,10 @@ def test_a_run_dir_that_is_a_file_says_so(tmp_path, shards):
     assert file.read_text() == "not a run\n"
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, shards):
     """Item 13: SIGINT mid-run (as Ctrl-C sends it) prints one line naming the newest complete
@@ -239,7 +243,13 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, shards):
            "--model.encoder.max_position_embeddings", "64", "--max_steps", "200",
            "--log_every", "1", "--checkpoint.every_steps", "2"]  # fmt: skip
     env = {**ENV, **faults.env(sleep_after_step_s=0.2)}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    # A terminal's foreground job takes SIGINT with its default action. A suite started in the
+    # background by a shell (`pytest ... &`) passes SIGINT on ignored, and Python then installs
+    # no Ctrl-C handler: the child would train to the end and exit 0 (seen once), so the
+    # child starts with the terminal's disposition.
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint
+    )
     try:
         deadline = time.monotonic() + 180
         while ckpt.latest_complete(run / "checkpoints") is None:
