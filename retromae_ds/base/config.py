@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import re
 import sys
 import textwrap
@@ -50,7 +51,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin in (list, tuple):
         (item,) = typing.get_args(tp)[:1] or (Any,)
         if isinstance(value, str):
-            value = json.loads(value) if value.strip().startswith("[") else value.split(",")
+            value = _list_text(value, where)
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{where}: expected a list, got {value!r}")
         items = [_convert(v, item, where) for v in value]
         return tuple(items) if origin is tuple else items
     if tp is bool:
@@ -69,19 +72,15 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
             return value.lower() in ("true", "1", "yes", "on")
         raise ValueError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
-        try:
-            return (
-                int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
-            )
-        except ValueError:
-            raise ValueError(f"{where}: expected an integer, got {value!r}") from None
+        return _to_int(value, where)
     if tp is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ValueError(f"{where}: expected a string, got {value!r}")
@@ -89,6 +88,54 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"{where}: unsupported config type {tp}")
+
+
+INT_LIMIT = 2**63
+"""Integers are held to a signed 64-bit range: every count, step and seed here ends in a C
+integer (torch, numpy, Arrow), where a larger one fails far from the option that set it."""
+
+
+def _to_int(value: Any, where: str) -> int:
+    """``value`` as an integer: an int, a float or numeric string that is a whole number
+    (``1e3``, ``2.0``), within the 64-bit range; anything else is one line naming ``where``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    number = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text)
+        except ValueError:
+            try:
+                number = float(text)
+            except ValueError:
+                raise ValueError(f"{where}: expected an integer, got {value!r}") from None
+    if isinstance(number, float):
+        if not math.isfinite(number) or not number.is_integer():
+            raise ValueError(f"{where}: expected a whole number, got {value!r}")
+        number = int(number)
+    if not isinstance(number, int):
+        raise ValueError(f"{where}: expected an integer, got {value!r}")
+    if not -INT_LIMIT <= number < INT_LIMIT:
+        raise ValueError(f"{where}: {value!r} is out of range (at most 2**63 - 1 in size)")
+    return number
+
+
+def _list_text(text: str, where: str) -> list[Any]:
+    """A list option's text: a JSON list (``["a", "b"]``) or comma-separated words."""
+    if not text.strip().startswith("["):
+        return text.split(",")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{where}: {text!r} starts like a JSON list but is not one ({exc.msg} at column "
+            f"{exc.colno}); quote its strings (e.g. '[\"a.json\"]') or give the items "
+            "separated by spaces or commas"
+        ) from None
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: expected a list, got {text!r}")
+    return value
 
 
 _NOTED: set[str] = set()
@@ -190,23 +237,23 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML (``.yaml``/``.yml``) or JSON config file; a file that is not one
-    is a ValueError naming the file, line and column."""
+    """The mapping in a YAML (``.yaml``/``.yml``, any case) or JSON config file; a file that
+    is not one is a ValueError naming the file, line and column. YAML values that look like
+    dates stay the text they are (``run_dir: 2024-01-01`` is a folder name)."""
+    if not str(path).strip():
+        raise ValueError("--config: an empty path; name a YAML or JSON file")
     path = Path(path)
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-            reason = getattr(exc, "problem", None) or str(exc)
-            raise ValueError(f"{path}{where}: not valid YAML ({reason})") from None
+        line = raw.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ValueError(
+            f"{path}:{line}:{column}: not UTF-8 text (byte 0x{raw[exc.start]:02x})"
+        ) from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        data = _load_yaml(path, text)
     else:
         try:
             data = json.loads(text)
@@ -217,6 +264,26 @@ def load_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config file must hold a mapping")
     return data
+
+
+def _load_yaml(path: Path, text: str) -> Any:
+    """YAML ``text`` (of ``path``) read safely, timestamps left as strings."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    try:
+        return yaml.load(text, Loader=Loader) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"{path}{where}: not valid YAML ({reason})") from None
 
 
 def merge_dotted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

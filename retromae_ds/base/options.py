@@ -134,6 +134,7 @@ def canonical_argv(cls: type, argv: list[str]) -> list[str]:
     positionals = any(leaf.positional for leaf in table.values())
     out: list[str] = []
     unknown: list[str] = []
+    spelt: dict[str, str] = {}  # setting -> the first name it was given under
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -158,6 +159,7 @@ def canonical_argv(cls: type, argv: list[str]) -> list[str]:
             unknown.append(key.replace("-", "_"))
             out.append(token)
             continue
+        _refuse_two_spellings(spelt, dotted, key)
         leaf = table[dotted]
         if not leaf.is_bool:
             out.append(f"--{dotted}" + (f"={value}" if eq else ""))
@@ -177,6 +179,18 @@ def canonical_argv(cls: type, argv: list[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
     return out
+
+
+def _refuse_two_spellings(spelt: dict[str, str], dotted: str, key: str) -> None:
+    """One setting under two names on one command line (``--resume none
+    --checkpoint.resume auto``) is refused, as a ``--config`` file refuses the pair: which
+    one the user meant cannot be told from their order."""
+    first = spelt.setdefault(dotted, key)
+    if first != key:
+        raise ValueError(
+            f"--{first} and --{key} both set {dotted} (one is an old name of the other): "
+            f"give it once, as --{dotted}"
+        )
 
 
 # ------------------------------------------------------------------------------ the parser
@@ -254,7 +268,7 @@ def parse_command(
         canonical_argv(cls, argv)
     )
     file = vars(namespace).pop("config", None)
-    data = apply_renamed(cls, load_file(file)) if file else {}
+    data = apply_renamed(cls, load_file(file)) if file is not None else {}
     data = merge_dotted(data, _given(table, namespace))
     missing = []
     for dotted, leaf in table.items():

@@ -69,6 +69,9 @@ class RunConfig:
     deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
 
     def __post_init__(self) -> None:
+        check_folder_name("run_dir", self.run_dir)
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, not {self.seed}")
         for name in ("max_steps", "epochs", "stop_at_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
@@ -83,3 +86,22 @@ class RunConfig:
         self.stop_signals = [name for name in self.stop_signals if name]
         for name in self.stop_signals:
             signal_number(name)  # fails naming the signal
+
+
+def check_folder_name(option: str, value: str) -> None:
+    """Refuse, before anything is created, a folder name that would misplace a run: empty
+    (the run would write into the current directory) or not UTF-8 (bytes a run's records,
+    written as UTF-8, cannot name, so the folder would be left half made)."""
+    if not value.strip():
+        raise ValueError(
+            f"{option} is empty: name the run's folder (an empty name would write into the "
+            "current directory)"
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        shown = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise ValueError(
+            f"{option} {shown!r} is not UTF-8 (byte at position {exc.start}): a run's records "
+            "name its folder in UTF-8; choose a UTF-8 name"
+        ) from None
