@@ -3,18 +3,12 @@ in ../shared/data (tests that need it skip, saying why, when it is absent)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from helpers_data import SHARED_DATA
 from synthetic import synthetic_texts
-
-SHARED_DATA = Path(
-    os.environ.get(
-        "RETROMAE_DS_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    )
-)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from helpers_proc import processes
+
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "slurm_cluster"
 RUN_DIR = Path("/tmp/retromae_ds_slurm")  # the start script accepts only /tmp, /var/tmp, /run
@@ -158,17 +160,10 @@ def job_processes(job_id: int, module: str = "retromae_ds.pretrain", **env_match
     every ``env_match`` entry."""
     want = {"SLURM_JOB_ID": str(job_id), **env_match}
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            raw = (proc / "environ").read_bytes()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        if module.encode() in cmdline and all(
+    for pid, read in processes("environ", "cmdline"):
+        env = dict(item.split(b"=", 1) for item in read["environ"].split(b"\0") if b"=" in item)
+        if module.encode() in read["cmdline"] and all(
             env.get(k.encode()) == v.encode() for k, v in want.items()
         ):
-            found.append(int(proc.name))
+            found.append(pid)
     return found

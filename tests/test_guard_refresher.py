@@ -25,6 +25,7 @@ from retromae_ds.base import faults
 from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
+from helpers_proc import parent_pid, processes
 
 FINETUNE_COMMON = [
     "--progress", "false",
@@ -83,17 +84,11 @@ def _refresher_child(trainer: subprocess.Popen, timeout: float) -> int:
     while time.monotonic() < deadline:
         if trainer.poll() is not None:
             raise AssertionError(f"the trainer exited ({trainer.returncode}) first")
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == trainer_pid and b"retromae_ds.ance.refresher" in cmdline:
-                return int(entry.name)
+        for pid, read in processes("stat", "cmdline"):
+            if parent_pid(read["stat"]) == trainer_pid and (
+                b"retromae_ds.ance.refresher" in read["cmdline"]
+            ):
+                return pid
         time.sleep(0.2)
     raise AssertionError(f"no local refresher started by pid {trainer_pid} within {timeout} s")
 

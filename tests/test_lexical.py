@@ -25,7 +25,7 @@ def test_bm25_ranks_by_stemmed_terms_and_skips_a_query_s_own_id():
 
 
 def test_bm25_on_scifact_test_is_the_reference_figure():
-    from conftest import SHARED_DATA
+    from helpers_data import SHARED_DATA
 
     folder = SHARED_DATA / "scifact"
     if not (folder / "corpus.jsonl").is_file():

@@ -20,9 +20,9 @@ LONG = 2048
 
 @pytest.fixture(scope="module")
 def long_shards(tmp_path_factory) -> Path:
-    from conftest import SHARED_DATA
-
     from retromae_ds.data.long_task import build
+
+    from helpers_data import SHARED_DATA
 
     wiki = SHARED_DATA / "wikitext2" / "wiki.test.raw"
     if not wiki.is_file():

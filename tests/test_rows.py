@@ -134,7 +134,7 @@ TRICKY = [
 
 
 def _real_texts() -> list[str]:
-    from conftest import SHARED_DATA
+    from helpers_data import SHARED_DATA
 
     wiki = SHARED_DATA / "wikitext2" / "wiki.test.raw"
     return wiki.read_text(encoding="utf-8").splitlines()[:400] if wiki.is_file() else []

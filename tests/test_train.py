@@ -28,7 +28,7 @@ def synthetic_shards(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def wiki_shards(tmp_path_factory) -> Path:
-    from conftest import SHARED_DATA
+    from helpers_data import SHARED_DATA
 
     wiki = SHARED_DATA / "wikitext2" / "wiki.test.raw"
     if not wiki.is_file():
