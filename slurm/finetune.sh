@@ -41,98 +41,33 @@
 #SBATCH --signal=B:USR1@300
 #SBATCH --open-mode=append
 set -uo pipefail
-
-EXIT_REQUEUE=85 # retromae_ds.components.signals.EXIT_REQUEUE
-
-CONFIG=${CONFIG:-}
-RUN_DIR=${RUN_DIR:-}
+PROG=finetune.sh
+# Inside a job Slurm runs a spooled copy of this script: lib.sh lies beside the submitted one.
+LIB=$(dirname "$0")/lib.sh
+if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$LIB" ]; then
+  LIB=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+  [[ $LIB == /* ]] || LIB=$SLURM_SUBMIT_DIR/$LIB
+  LIB=$(dirname "$LIB")/lib.sh
+fi
+# shellcheck source=slurm/lib.sh
+. "$LIB"
 REFRESHER_NODES=${REFRESHER_NODES:-0}
 REFRESHER_TASKS=${REFRESHER_TASKS:-1}
-CPUS_PER_TASK=${CPUS_PER_TASK:-}
-MAX_REQUEUES=${MAX_REQUEUES:-50}
-NODES=${NODES:-1}
-GPUS_PER_NODE=${GPUS_PER_NODE:-0}
-TASKS_PER_NODE=${TASKS_PER_NODE:-}
-TIME=${TIME:-24:00:00}
-SIGNAL_LEAD=${SIGNAL_LEAD:-300}
-WAIT=""
-TRAIN_ARGS=()
 
-die() {
-  echo "finetune.sh: $*" >&2
-  exit 2
-}
-while [ $# -gt 0 ]; do
+own_option() {
   case "$1" in
-  --config) CONFIG=$2; shift 2 ;;
-  --run-dir) RUN_DIR=$2; shift 2 ;;
-  --refresher-nodes) REFRESHER_NODES=$2; shift 2 ;;
-  --refresher-tasks) REFRESHER_TASKS=$2; shift 2 ;;
-  --cpus-per-task) CPUS_PER_TASK=$2; shift 2 ;;
-  --max-requeues) MAX_REQUEUES=$2; shift 2 ;;
-  --nodes) NODES=$2; shift 2 ;;
-  --gpus-per-node) GPUS_PER_NODE=$2; shift 2 ;;
-  --tasks-per-node) TASKS_PER_NODE=$2; shift 2 ;;
-  --time) TIME=$2; shift 2 ;;
-  --signal-lead) SIGNAL_LEAD=$2; shift 2 ;;
-  --wait) WAIT=1; shift ;;
-  --) shift; TRAIN_ARGS=("$@"); break ;;
-  *) die "unknown option $1 (trainer overrides go after --)" ;;
+  --refresher-nodes) value "$@" && REFRESHER_NODES=$VALUE TAKEN=2 ;;
+  --refresher-tasks) value "$@" && REFRESHER_TASKS=$VALUE TAKEN=2 ;;
   esac
-done
-[ -n "$RUN_DIR" ] || die "--run-dir (or RUN_DIR) is required"
-[ -z "$CONFIG" ] || [ -f "$CONFIG" ] || die "config file $CONFIG not found"
-
-pass_args=(--run-dir "$RUN_DIR" --max-requeues "$MAX_REQUEUES"
-  --refresher-nodes "$REFRESHER_NODES" --refresher-tasks "$REFRESHER_TASKS")
-[ -n "$CONFIG" ] && pass_args+=(--config "$CONFIG")
-[ -n "$CPUS_PER_TASK" ] && pass_args+=(--cpus-per-task "$CPUS_PER_TASK")
+}
+parse_options own_option "$@"
 
 # ---- outside a job: submit this script with the requested allocation -----------------------
-if [ -z "${SLURM_JOB_ID:-}" ]; then
-  # shellcheck source=slurm/lib.sh
-  . "$(dirname "$0")/lib.sh"
-  check_signal_lead "$TIME" "$SIGNAL_LEAD" || exit 2
-  if [ "$GPUS_PER_NODE" -gt 0 ]; then TASKS_PER_NODE=$GPUS_PER_NODE; fi
-  mkdir -p "$RUN_DIR/logs"
-  sbatch_args=(
-    --nodes="$NODES" --ntasks-per-node="${TASKS_PER_NODE:-2}"
-    --cpus-per-task="${CPUS_PER_TASK:-1}" --time="$TIME"
-    --signal="B:USR1@$SIGNAL_LEAD" --requeue --open-mode=append
-    --output="$RUN_DIR/logs/slurm-%j.out"
-  )
-  [ "$GPUS_PER_NODE" -gt 0 ] && sbatch_args+=(--gpus-per-node="$GPUS_PER_NODE")
-  [ -n "$WAIT" ] && sbatch_args+=(--wait)
-  exec sbatch "${sbatch_args[@]}" "$0" "${pass_args[@]}" -- "${TRAIN_ARGS[@]}"
-fi
+[ -n "${SLURM_JOB_ID:-}" ] || submit_self "$0" 2 "${PASS_ARGS[@]}" \
+  --refresher-nodes "$REFRESHER_NODES" --refresher-tasks "$REFRESHER_TASKS"
 
 # ---- inside the job ----------------------------------------------------------------------------
-TRAIN_PID=""
-REFRESH_PID=""
-on_signal() { # only forward: the trainer decides at its next step boundary
-  echo "finetune.sh: $(date +%T) got SIG$1: asking the trainer to checkpoint and stop"
-  [ -n "$TRAIN_PID" ] && kill -USR1 "$TRAIN_PID" 2>/dev/null
-}
-trap 'on_signal USR1' USR1
-trap 'on_signal TERM' TERM
-
-restart=${SLURM_RESTART_COUNT:-0}
-LOG_DIR="$RUN_DIR/logs/job$SLURM_JOB_ID.$restart"
-mkdir -p "$LOG_DIR"
-mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
-NNODES=${#HOSTS[@]}
-NTASKS=${SLURM_NTASKS:-$NNODES}
-TASKS_PER_NODE=$((NTASKS / NNODES))
-CPUS_PER_TASK=${CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-1}}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
-export TOKENIZERS_PARALLELISM=false
-GPU_ARGS=()
-if [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
-  GPU_ARGS=(--gpus-per-task=1)
-elif [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
-  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} # CPU mode: gloo, DeepSpeed's CPU accelerator
-fi
-
+job_environment
 if [ "$REFRESHER_NODES" -gt 0 ]; then
   [ "$REFRESHER_NODES" -lt "$NNODES" ] || die "--refresher-nodes $REFRESHER_NODES leaves no node for the trainer"
   TRAIN_HOSTS=("${HOSTS[@]:0:NNODES-REFRESHER_NODES}")
@@ -147,12 +82,11 @@ else
   REFRESH_TASKS=$REFRESHER_TASKS
 fi
 join() { local IFS=,; echo "$*"; }
-MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
 # the refresher is this job's other step (what --negatives.mine_first waits for)
 trainer=(--run_dir "$RUN_DIR" --checkpoint.resume auto --refresher external)
 [ -n "$CONFIG" ] && trainer=(--config "$CONFIG" "${trainer[@]}")
 trainer+=("${TRAIN_ARGS[@]}")
-echo "finetune.sh: $(date +%T) job $SLURM_JOB_ID restart $restart: trainer $TRAIN_TASKS task(s) on" \
+echo "$PROG: $(date +%T) job $SLURM_JOB_ID restart $restart: trainer $TRAIN_TASKS task(s) on" \
   "$(join "${TRAIN_HOSTS[@]}"), refresher $REFRESH_TASKS task(s) on $(join "${REFRESH_HOSTS[@]}"), logs $LOG_DIR"
 
 # a previous job's marker must not stop this job's refresher before the trainer removes it
@@ -179,27 +113,13 @@ MASTER_ADDR=${REFRESH_HOSTS[0]} MASTER_PORT=$((MASTER_PORT + 1)) \
   "${PYTHON:-python}" "$RUN_DIR" &
 REFRESH_PID=$!
 
-# a trapped signal interrupts `wait`; wait again until the trainer's srun has really ended
-while kill -0 "$TRAIN_PID" 2>/dev/null; do wait "$TRAIN_PID"; done
-wait "$TRAIN_PID"
-rc=$?
-echo "finetune.sh: $(date +%T) trainer exited with $rc"
+wait_trainer
 for _ in $(seq 60); do kill -0 "$REFRESH_PID" 2>/dev/null || break; sleep 1; done
 if kill -0 "$REFRESH_PID" 2>/dev/null; then
-  echo "finetune.sh: ending the refresher step"
+  echo "$PROG: ending the refresher step"
   kill -TERM "$REFRESH_PID" 2>/dev/null
   wait "$REFRESH_PID"
 fi
 
-if [ "$rc" = "$EXIT_REQUEUE" ]; then
-  if [ "$restart" -ge "$MAX_REQUEUES" ]; then
-    echo "finetune.sh: checkpoint written, but $restart restarts reached --max-requeues: not requeueing"
-    exit "$rc"
-  fi
-  if scontrol requeue "$SLURM_JOB_ID"; then
-    echo "finetune.sh: checkpoint complete; job $SLURM_JOB_ID requeued (it resumes from there)"
-  else
-    echo "finetune.sh: scontrol requeue failed (was the job submitted with --no-requeue?)" >&2
-  fi
-fi
+requeue_on_checkpoint
 exit "$rc"

@@ -43,97 +43,35 @@
 #SBATCH --signal=B:USR1@300
 #SBATCH --open-mode=append
 set -uo pipefail
-
-EXIT_REQUEUE=85 # retromae_ds.components.signals.EXIT_REQUEUE
-
-CONFIG=${CONFIG:-}
-RUN_DIR=${RUN_DIR:-}
+PROG=pretrain.sh
+# Inside a job Slurm runs a spooled copy of this script: lib.sh lies beside the submitted one.
+LIB=$(dirname "$0")/lib.sh
+if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$LIB" ]; then
+  LIB=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+  [[ $LIB == /* ]] || LIB=$SLURM_SUBMIT_DIR/$LIB
+  LIB=$(dirname "$LIB")/lib.sh
+fi
+# shellcheck source=slurm/lib.sh
+. "$LIB"
 LAUNCHER=${LAUNCHER:-srun}
-CPUS_PER_TASK=${CPUS_PER_TASK:-}
-MAX_REQUEUES=${MAX_REQUEUES:-50}
-NODES=${NODES:-1}
-GPUS_PER_NODE=${GPUS_PER_NODE:-0}
-TASKS_PER_NODE=${TASKS_PER_NODE:-}
-TIME=${TIME:-24:00:00}
-SIGNAL_LEAD=${SIGNAL_LEAD:-300}
-WAIT=""
-TRAIN_ARGS=()
 
-die() {
-  echo "pretrain.sh: $*" >&2
-  exit 2
+own_option() {
+  if [ "$1" = --launcher ]; then value "$@" && LAUNCHER=$VALUE TAKEN=2; fi
 }
-while [ $# -gt 0 ]; do
-  case "$1" in
-  --config) CONFIG=$2; shift 2 ;;
-  --run-dir) RUN_DIR=$2; shift 2 ;;
-  --launcher) LAUNCHER=$2; shift 2 ;;
-  --cpus-per-task) CPUS_PER_TASK=$2; shift 2 ;;
-  --max-requeues) MAX_REQUEUES=$2; shift 2 ;;
-  --nodes) NODES=$2; shift 2 ;;
-  --gpus-per-node) GPUS_PER_NODE=$2; shift 2 ;;
-  --tasks-per-node) TASKS_PER_NODE=$2; shift 2 ;;
-  --time) TIME=$2; shift 2 ;;
-  --signal-lead) SIGNAL_LEAD=$2; shift 2 ;;
-  --wait) WAIT=1; shift ;;
-  --) shift; TRAIN_ARGS=("$@"); break ;;
-  *) die "unknown option $1 (trainer overrides go after --)" ;;
-  esac
-done
-[ -n "$RUN_DIR" ] || die "--run-dir (or RUN_DIR) is required"
+parse_options own_option "$@"
 case "$LAUNCHER" in srun | deepspeed) ;; *) die "--launcher must be srun or deepspeed" ;; esac
-[ -z "$CONFIG" ] || [ -f "$CONFIG" ] || die "config file $CONFIG not found"
-
-pass_args=(--run-dir "$RUN_DIR" --launcher "$LAUNCHER" --max-requeues "$MAX_REQUEUES")
-[ -n "$CONFIG" ] && pass_args+=(--config "$CONFIG")
-[ -n "$CPUS_PER_TASK" ] && pass_args+=(--cpus-per-task "$CPUS_PER_TASK")
 
 # ---- outside a job: submit this script with the requested allocation -----------------------
-if [ -z "${SLURM_JOB_ID:-}" ]; then
-  # shellcheck source=slurm/lib.sh
-  . "$(dirname "$0")/lib.sh"
-  check_signal_lead "$TIME" "$SIGNAL_LEAD" || exit 2
-  if [ "$GPUS_PER_NODE" -gt 0 ]; then TASKS_PER_NODE=$GPUS_PER_NODE; fi
-  mkdir -p "$RUN_DIR/logs"
-  sbatch_args=(
-    --nodes="$NODES" --ntasks-per-node="${TASKS_PER_NODE:-1}"
-    --cpus-per-task="${CPUS_PER_TASK:-1}" --time="$TIME"
-    --signal="B:USR1@$SIGNAL_LEAD" --requeue --open-mode=append
-    --output="$RUN_DIR/logs/slurm-%j.out"
-  )
-  [ "$GPUS_PER_NODE" -gt 0 ] && sbatch_args+=(--gpus-per-node="$GPUS_PER_NODE")
-  [ -n "$WAIT" ] && sbatch_args+=(--wait)
-  exec sbatch "${sbatch_args[@]}" "$0" "${pass_args[@]}" -- "${TRAIN_ARGS[@]}"
-fi
+[ -n "${SLURM_JOB_ID:-}" ] || submit_self "$0" 1 "${PASS_ARGS[@]}" --launcher "$LAUNCHER"
 
 # ---- inside the job ----------------------------------------------------------------------------
-SRUN_PID=""
-on_signal() { # only forward: the trainer decides at its next step boundary
-  echo "pretrain.sh: $(date +%T) got SIG$1: asking the trainer to checkpoint and stop"
-  [ -n "$SRUN_PID" ] && kill -USR1 "$SRUN_PID" 2>/dev/null
-}
-trap 'on_signal USR1' USR1
-trap 'on_signal TERM' TERM
-
-restart=${SLURM_RESTART_COUNT:-0}
-LOG_DIR="$RUN_DIR/logs/job$SLURM_JOB_ID.$restart"
-mkdir -p "$LOG_DIR"
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))
+job_environment
+MASTER_ADDR=${HOSTS[0]}
 export MASTER_ADDR MASTER_PORT
-CPUS_PER_TASK=${CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-1}}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
-export TOKENIZERS_PARALLELISM=false
-if [ -z "${SLURM_GPUS_ON_NODE:-}" ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
-  export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu} # CPU mode: gloo, DeepSpeed's CPU accelerator
-fi
-NNODES=$SLURM_JOB_NUM_NODES
-NTASKS=${SLURM_NTASKS:-$NNODES}
-TASKS_PER_NODE=$((NTASKS / NNODES))
 trainer=(--run_dir "$RUN_DIR" --checkpoint.resume auto)
 [ -n "$CONFIG" ] && trainer=(--config "$CONFIG" "${trainer[@]}")
 trainer+=("${TRAIN_ARGS[@]}")
-echo "pretrain.sh: $(date +%T) job $SLURM_JOB_ID restart $restart: $NNODES node(s) x" \
+echo "$PROG: $(date +%T) job $SLURM_JOB_ID restart $restart: $NNODES node(s) x" \
   "$TASKS_PER_NODE task(s), launcher $LAUNCHER, master $MASTER_ADDR:$MASTER_PORT, logs $LOG_DIR"
 
 if [ "$LAUNCHER" = srun ]; then
@@ -146,7 +84,7 @@ else
   # one deepspeed launcher per node (no ssh: --no_ssh with this node's rank); it starts the
   # node's ranks. The launchers ignore USR1, which srun delivers to every process of the step.
   HOSTFILE="$LOG_DIR/hostfile"
-  scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/\$/ slots=$TASKS_PER_NODE/" >"$HOSTFILE"
+  printf '%s slots='"$TASKS_PER_NODE"'\n' "${HOSTS[@]}" >"$HOSTFILE"
   srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
     --cpus-per-task=$((CPUS_PER_TASK * TASKS_PER_NODE)) \
     --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/node_%n.log" \
@@ -155,23 +93,7 @@ else
       --enable_each_rank_log "$1" --module retromae_ds.pretrain "${@:2}"' \
     "$HOSTFILE" "$LOG_DIR" "${trainer[@]}" &
 fi
-SRUN_PID=$!
-# a trapped signal interrupts `wait`; wait again until srun has really ended
-while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; done
-wait "$SRUN_PID"
-rc=$?
-echo "pretrain.sh: $(date +%T) trainer exited with $rc"
-
-if [ "$rc" = "$EXIT_REQUEUE" ]; then
-  if [ "$restart" -ge "$MAX_REQUEUES" ]; then
-    echo "pretrain.sh: checkpoint written, but $restart restarts reached --max-requeues: not requeueing"
-    exit "$rc"
-  fi
-  # Slurm ends this script soon after a successful requeue; the status stays 85 either way
-  if scontrol requeue "$SLURM_JOB_ID"; then
-    echo "pretrain.sh: checkpoint complete; job $SLURM_JOB_ID requeued (it resumes from there)"
-  else
-    echo "pretrain.sh: scontrol requeue failed (was the job submitted with --no-requeue?)" >&2
-  fi
-fi
+TRAIN_PID=$!
+wait_trainer
+requeue_on_checkpoint
 exit "$rc"
