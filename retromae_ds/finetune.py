@@ -28,7 +28,10 @@ is complete: exit 85, resume with ``--checkpoint.resume auto``).
 
 The BEIR files the run tokenizes are fingerprinted (sha256) in ``RUN/data/READY``; a resume
 (or a run reusing ``data.prepared``) against a folder whose files changed since is refused
-naming them (``retromae_ds.ance.data``).
+naming them, and every start checks the tokenized shards against their manifest before
+anything reads them (``retromae_ds.ance.data``). The init and its pooling are checked (the
+model is built) before anything is tokenized, and a pre-training run folder as ``--run_dir``
+is refused before anything is written into it.
 
 Checkpoints hold ``encoder/`` (and ``query_encoder/``) as Hugging Face folders; the per-rank
 state adds the negatives version in use, so a resumed run builds the same batches as an
@@ -51,11 +54,12 @@ from retromae_ds.ance.batches import BatchBuilder, batch_stream
 from retromae_ds.ance.bm25 import publish_bm25
 from retromae_ds.ance.feed import NegativesConfig, NegativesFeed
 from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
-from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.ance.refresh_config import RefreshConfig, with_absolute_paths
 from retromae_ds.base.config import resumable, to_dict
 from retromae_ds.base.fsutil import atomic_write_text
+from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components import engine as eng
-from retromae_ds.components.checkpoint import resolve_encoder
+from retromae_ds.components.checkpoint import latest_complete, read_marker, resolve_encoder
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler
@@ -199,7 +203,7 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
         # --progress false: no bars anywhere in the run (a refresher's log is a file too)
         "progress": cfg.refresh.progress and cfg.progress,
     }
-    atomic_write_text(layout.refresh_config, json.dumps(refresh, indent=2))
+    atomic_write_text(layout.refresh_config, json.dumps(with_absolute_paths(refresh), indent=2))
     return layout.refresh_config
 
 
@@ -207,16 +211,52 @@ def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Run (or resume) fine-tuning; returns the last metrics row on every rank. Raises
     StopRequested when a stop signal ended the run early (its checkpoint is complete)."""
+    problem = pretraining_run(RunLayout(cfg.run_dir))
+    if problem is not None:  # before the run folder is locked: nothing is written into it
+        raise ValueError(problem)
     return run_guarded(cfg, lambda stop, dist: _finetune(cfg, stop, dist))
+
+
+def pretraining_run(layout: RunLayout) -> str | None:
+    """Why ``layout.root`` is a pre-training run, one line (its ``config.json`` has a
+    pre-training objective, or its newest complete checkpoint records one), or None. Reads
+    only: fine-tuning into it would write ``data/`` and ``negatives/`` beside its checkpoints,
+    and resuming it would mean setting those aside."""
+    what = None
+    try:
+        saved = json.loads(layout.config.read_text())
+        model = saved.get("model") if isinstance(saved, dict) else None
+        if isinstance(model, dict) and "objective" in model:
+            what = "its config.json has a pre-training objective"
+    except (OSError, ValueError):
+        pass  # no or an unreadable config.json: the checkpoints' records tell
+    newest = latest_complete(layout.checkpoints)
+    if what is None and newest is not None:
+        try:
+            objective = read_marker(newest).get("objective", "contrastive")
+        except (OSError, ValueError):
+            objective = "contrastive"  # the resume check names an unreadable record
+        if objective != "contrastive":
+            what = f"{newest.name} records the {objective!r} objective"
+    if what is None:
+        return None
+    return (
+        f"{layout.root}: a pre-training run ({what}); fine-tuning writes a run folder of its "
+        f"own: give --run_dir a new folder, with --model.init {layout.root} to start from "
+        "this run's newest checkpoint"
+    )
 
 
 def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[str, Any]:
     layout = RunLayout(cfg.run_dir)
     torch.manual_seed(cfg.seed)
     init_dir = resolve_encoder(cfg.model.init)
-    ts = _prepare_data(cfg, layout, init_dir, dist)
     spec, temperature = cfg.model.resolve(init_dir)
-    model = _build_model(cfg, init_dir, spec, temperature, ts)
+    # the model first: an init that cannot serve the pooling (no MLM head) or without its own
+    # tokenizer is refused before anything is tokenized or mined into the run
+    special = SpecialIds.from_fingerprint(ance_data.tokenizer_fingerprint(init_dir))
+    model = _build_model(cfg, init_dir, spec, temperature, special)
+    ts = _prepare_data(cfg, layout, init_dir, dist)
     sampler = ResumableDistributedSampler(ts.num_queries, dist.world_size, dist.rank, seed=cfg.seed)
     batch_size = cfg.micro_batch_size
     if len(sampler) < batch_size:
@@ -316,7 +356,7 @@ def _build_model(
     init_dir: Path,
     spec: sbert.EmbeddingSpec,
     temperature: float,
-    ts: ance_data.TrainingSet,
+    special: SpecialIds,
 ) -> DualEncoder:
     """The dual encoder from the init: one shared tower or two (``model.shared``), each with
     its MLM head for the DupMAE poolings."""
@@ -333,7 +373,7 @@ def _build_model(
         normalize=spec.normalize,
         temperature=temperature,
         bow_topk=spec.bow_topk,
-        special_ids=ts.special.all,
+        special_ids=special.all,
     )
 
 

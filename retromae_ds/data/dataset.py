@@ -262,9 +262,16 @@ class ShardDataset:
         self._starts_list = self._starts.tolist()  # bisect on a list beats np.searchsorted per call
 
     def _check_shards(self, manifest_path: Path) -> None:
+        """``shards_problem``, raised as one ValueError."""
+        problem = self.shards_problem()
+        if problem is not None:
+            raise ValueError(f"{problem}; re-run preprocessing ({manifest_path})")
+
+    def shards_problem(self) -> str | None:
         """Every shard's sha256 against the manifest and its token ids against the
-        vocabulary, shards in parallel (hashlib and numpy release the GIL); raises one
-        ValueError naming the first bad shard (and how many more)."""
+        vocabulary, shards in parallel (hashlib and numpy release the GIL): the start of one
+        line naming the first bad shard (and how many more), or None when all are whole. A
+        reader whose data is made again another way says how (``ance.data.load``)."""
         vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
         shards = self.manifest["shards"]
         threads = max(1, min(8, len(shards), os.cpu_count() or 1))
@@ -276,9 +283,10 @@ class ShardDataset:
                 )
             )
         bad = [p for p in problems if p is not None]
-        if bad:
-            more = f" (and {len(bad) - 1} more shard(s))" if len(bad) > 1 else ""
-            raise ValueError(f"{bad[0]}{more}; re-run preprocessing ({manifest_path})")
+        if not bad:
+            return None
+        more = f" (and {len(bad) - 1} more shard(s))" if len(bad) > 1 else ""
+        return f"{bad[0]}{more}"
 
     def _check_manifest_against_shards(self, manifest_path: Path) -> None:
         """``verify``: every count and length the manifest states, recomputed from the shards
