@@ -87,7 +87,7 @@ ENTRIES = {
         Entry(
             "refresh",
             "the asynchronous hard-negative refresher of a fine-tuning run",
-            "retromae_ds.ance.refresh_config:RefreshConfig",
+            "retromae_ds.ance.refresh_config:RefresherConfig",
             "retromae_ds.ance.refresher:refresh_command",
             errors=USER_ERRORS,
         ),

@@ -55,24 +55,34 @@ class HandoffError(ValueError):
 
 class NegativesWriteError(OSError):
     """A write under the negatives folder failed; the message names the file (and, when the
-    disk is full, the space left on it). ``errno`` is the original error's."""
+    disk is full, the space left on it; when the folder is read-only or not ours to write,
+    that folder). ``errno`` is the original error's."""
+
+
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+"""Errors of a folder that cannot be written (read-only file system, permissions), as
+opposed to a full one (``ENOSPC``, ``EDQUOT``)."""
 
 
 def write_error(path: Path, exc: OSError, what: str) -> NegativesWriteError:
     """``exc`` (met writing ``what`` to ``path``) as a ``NegativesWriteError`` naming the path:
-    a full disk's ``write()`` error carries no file name of its own."""
+    a full disk's ``write()`` error carries no file name of its own; a read-only or
+    permission error names the folder that is not writable."""
     if isinstance(exc, NegativesWriteError):
         return exc
     reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+    folder = Path(path).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        folder = Path(path).parent
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
         try:
             free = shutil.disk_usage(folder).free
             reason += f" ({free / 2**20:.1f} MiB free on the file system of {folder})"
         except OSError:
             pass
+    elif exc.errno in NOT_WRITABLE:
+        cause = "a read-only file system" if exc.errno == errno.EROFS else "no write permission"
+        reason += f" ({folder} is not writable: {cause})"
     error = NegativesWriteError(f"{path}: cannot write {what}: {reason}")
     error.errno = exc.errno
     return error

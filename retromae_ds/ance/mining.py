@@ -17,12 +17,20 @@ score of the query's lowest-scoring labelled positive (NV-Retriever's "TopK-Perc
 Moreira et al. 2024; the refresher's ``max_score_ratio``, applied to model-mined versions,
 where the positives' scores come from the same embeddings).
 
+A query's own document: in BEIR sets whose queries sit in the corpus under their own id
+(ArguAna, Quora), the query's own passage tops its ranking. ``eval`` drops a retrieved
+document whose id is the query's (BEIR's ``ignore_identical_ids``); mining follows the same
+rule under the same name (``mining.ignore_identical_ids``): ``identical_passages`` finds each
+query's own passage, ``mine`` never takes it as a negative (``excluded``), and the version's
+manifest counts the drops (``publish.mine_and_publish``).
+
 The first ranking of a fine-tuning run, BM25's, is mined here too (``ance.bm25``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,19 +46,28 @@ def mine(
     skip_top: int = 0,
     seed: int = 0,
     num_passages: int,
+    excluded: np.ndarray | None = None,
 ) -> list[np.ndarray]:
-    """``n`` negative passage indices (int32) per query; never a positive of that query."""
+    """``n`` negative passage indices (int32) per query; never a positive of that query, nor
+    its ``excluded[q]`` passage (``[Q]`` int64, -1: none; its own document, which
+    ``identical_passages`` finds), neither from the ranking nor as a random top-up."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy!r}")
     if n < 1 or skip_top < 0:
         raise ValueError(f"need n >= 1 and skip_top >= 0, got {n}, {skip_top}")
     if len(ranked_QK) != len(positives):
         raise ValueError(f"{len(ranked_QK)} rankings for {len(positives)} queries")
+    if excluded is not None and len(excluded) != len(positives):
+        raise ValueError(f"{len(excluded)} excluded passages for {len(positives)} queries")
     out: list[np.ndarray] = []
     for q, (ranked, pos) in enumerate(zip(ranked_QK, positives, strict=True)):
         pos = np.asarray(pos, dtype=np.int64)
+        if excluded is not None and excluded[q] >= 0:  # never a negative, like a positive
+            pos = np.union1d(pos, [int(excluded[q])])
         if len(pos) >= num_passages:
-            raise ValueError(f"query {q}: every passage is a positive; no negative exists")
+            raise ValueError(
+                f"query {q}: every passage is a positive (or its own document); no negative exists"
+            )
         rng = np.random.default_rng([seed, q])
         ranked = np.asarray(ranked, dtype=np.int64)
         ranked = ranked[ranked >= 0]
@@ -67,6 +84,35 @@ def mine(
             )
         out.append(chosen.astype(np.int32))
     return out
+
+
+def identical_passages(query_ids: Sequence[str], passage_ids: Any) -> np.ndarray:
+    """``[Q]`` int64: the passage whose document id is query q's own id, -1 where none (BEIR's
+    ``ignore_identical_ids`` rule: such a document is the query itself, never a negative).
+    ``passage_ids``: the passage table's ids (an Arrow array, as ``TrainingSet`` holds them,
+    or a sequence of str)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(passage_ids, pa.ChunkedArray):
+        passage_ids = passage_ids.combine_chunks()
+    if not isinstance(passage_ids, pa.Array):
+        passage_ids = pa.array(list(passage_ids), pa.string())
+    queries = pa.array(list(query_ids), pa.string()).cast(passage_ids.type)
+    found = pc.index_in(queries, value_set=passage_ids)
+    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def drop_identical(ranked_QK: np.ndarray, identical_Q: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(ranked with -1 in place of each query's own passage, queries it was dropped from)``;
+    ``identical_Q`` is ``identical_passages``'s answer (-1: the query has no own passage)."""
+    rows = np.flatnonzero(identical_Q >= 0)  # only queries that have an own document
+    row, col = np.nonzero(ranked_QK[rows] == identical_Q[rows, None])
+    if not len(row):
+        return ranked_QK, 0
+    out = ranked_QK.copy()
+    out[rows[row], col] = -1
+    return out, len(np.unique(row))
 
 
 def drop_likely_positives(

@@ -3,11 +3,12 @@
 
 ``Ranking`` is what a search stage hands over (``[Q, K]`` passage indices best first, and for
 a dense search their scores and the score of each query's lowest-scoring positive, which the
-false-negative filter needs). ``mine_and_publish`` applies that filter when it can
-(``max_score_ratio`` > 0 and scores present), removes every positive and samples the
-negatives (``mining.mine``), then publishes the version atomically (``handoff.publish``:
-``vN.arrow`` + ``vN.json`` + ``CURRENT``), recording the mining settings and timings in its
-manifest.
+false-negative filter needs). ``mine_and_publish`` drops each query's own document first
+(``mining.ignore_identical_ids``, as ``eval`` does; counted in the manifest's
+``identical_ids``), applies that filter when it can (``max_score_ratio`` > 0 and scores
+present), removes every positive and samples the negatives (``mining.mine``), then
+publishes the version atomically (``handoff.publish``: ``vN.arrow`` + ``vN.json`` +
+``CURRENT``), recording the mining settings and timings in its manifest.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import numpy as np
 
 from retromae_ds.ance import handoff
 from retromae_ds.ance.data import TrainingSet
-from retromae_ds.ance.mining import drop_likely_positives, min_per_query, mine
+from retromae_ds.ance.mining import (
+    drop_identical,
+    drop_likely_positives,
+    identical_passages,
+    min_per_query,
+    mine,
+)
 from retromae_ds.ance.refresh_config import MiningConfig, mining_settings
 
 
@@ -83,11 +90,18 @@ def mine_and_publish(
     under the negatives folder ``root`` (trained on from ``step``; the newest ``keep_last``
     versions kept, 0: all). The manifest's meta is
     ``source`` (e.g. ``{"source": "bm25", "analyzer": ...}``), the data's fingerprint, the
-    mining settings, the false-negative filter's counts (a ranking with scores), ``extra``
-    and the timings (``mine_s`` added). Returns (manifest, filter counts or None)."""
+    mining settings, the false-negative filter's counts (a ranking with scores), the own
+    documents dropped (``identical_ids``: the flag, training queries whose id is a passage's,
+    queries whose ranking held it), ``extra`` and the timings (``mine_s`` added). Returns
+    (manifest, filter counts or None)."""
     timings = dict(timings or {})
     t0 = time.perf_counter()
     ids, filtered = ranking.ids, None
+    own, identical = None, {"ignore_identical_ids": cfg.ignore_identical_ids}
+    if cfg.ignore_identical_ids:  # eval's rule: a query's own document is never retrieved
+        own = identical_passages(ts.query_ids, ts.passage_ids)
+        ids, dropped_own = drop_identical(ids, own)
+        identical.update(queries_in_corpus=int((own >= 0).sum()), dropped=dropped_own)
     if cfg.max_score_ratio > 0 and ranking.scores is not None and ranking.positives is not None:
         ids, dropped = drop_likely_positives(
             ids,
@@ -108,11 +122,13 @@ def mine_and_publish(
         skip_top=cfg.skip_top,
         seed=seed,
         num_passages=ts.num_passages,
+        excluded=own,
     )
     timings["mine_s"] = timings.get("mine_s", 0.0) + time.perf_counter() - t0
     meta: dict[str, Any] = {**source, "data": ts.fingerprint(), "settings": mining_settings(cfg)}
     if ranking.scores is not None:
         meta["false_negative_filter"] = filtered
+    meta["identical_ids"] = identical
     meta.update(extra or {})
     meta["timings"] = {k: round(v, 3) for k, v in timings.items()}
     handoff.publish(root, version, negatives, step=step, meta=meta, keep_last=keep_last)

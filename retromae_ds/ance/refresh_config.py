@@ -8,6 +8,7 @@ with too), the refresher process and the study, so it lives apart from all three
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,16 +39,34 @@ class MiningConfig:
     seed: int = 0
     """Seeds the sampling of negatives (BM25's version uses seed, version N of a model
     seed + N)."""
+    ignore_identical_ids: bool = True
+    """Never mine a query's own document (the passage whose id is the query's) as its
+    negative, as ``eval --ignore_identical_ids`` (BEIR's default) never retrieves it: in sets
+    whose queries sit in the corpus under their own id (ArguAna, Quora) it tops every such
+    query's ranking. Each manifest counts the drops (``identical_ids``). false: mined like
+    any other passage."""
+
+    OPTIONS: ClassVar[str] = "refresh.mining."
+    """How the command that reads these settings spells them (the trainer's
+    ``--refresh.mining.top_k``; ``retromae-ds refresh``: ``--mining.top_k``), for errors."""
 
     def __post_init__(self) -> None:
+        opt = self.OPTIONS
         if self.strategy not in STRATEGIES:
-            raise ValueError(f"mining.strategy must be one of {STRATEGIES}, not {self.strategy!r}")
-        if self.top_k < 1 or self.num_negatives < 1 or self.skip_top < 0:
-            raise ValueError("mining: need top_k >= 1, num_negatives >= 1, skip_top >= 0")
-        if not 0 <= self.max_score_ratio <= 1:
+            raise ValueError(f"{opt}strategy must be one of {STRATEGIES}, not {self.strategy!r}")
+        for name in ("top_k", "num_negatives"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{opt}{name} must be >= 1, not {getattr(self, name)}")
+        if self.skip_top < 0:
+            raise ValueError(f"{opt}skip_top must be >= 0, not {self.skip_top}")
+        if self.skip_top >= self.top_k:
             raise ValueError(
-                f"mining.max_score_ratio must be in [0, 1], not {self.max_score_ratio}"
+                f"{opt}skip_top {self.skip_top} skips every one of the {opt}top_k "
+                f"{self.top_k} ranked passages, so every negative would be random: lower "
+                f"{opt}skip_top below {opt}top_k, or raise {opt}top_k"
             )
+        if not 0 <= self.max_score_ratio <= 1:
+            raise ValueError(f"{opt}max_score_ratio must be in [0, 1], not {self.max_score_ratio}")
 
 
 REFRESH_MODES = ("full", "pool")
@@ -55,14 +74,23 @@ REFRESH_MODES = ("full", "pool")
 
 
 MINING_FIELDS = ("top_k", "num_negatives", "strategy", "skip_top", "max_score_ratio", "seed")
+"""The mining settings that sat at the top of the refresh section before they had their own."""
 
 
 @dataclass(kw_only=True)
 class RefreshConfig:
     """The refresher process (``retromae-ds refresh``; the trainer's ``refresh`` section)."""
 
-    RENAMED: ClassVar[dict[str, str]] = {name: f"mining.{name}" for name in MINING_FIELDS}
-    """The mining settings sat at the top of this section before they had their own."""
+    RENAMED: ClassVar[dict[str, str]] = {
+        name: f"mining.{name}" for name in (*MINING_FIELDS, "ignore_identical_ids")
+    }
+    """The mining settings sat at the top of this section before they had their own.
+    ``ignore_identical_ids`` is here too, as ``eval`` spells its option: ``refresh
+    --ignore_identical_ids false`` reaches ``mining.ignore_identical_ids`` with a note."""
+    OPTIONS: ClassVar[str] = "refresh."
+    """How the command that reads these settings spells them in errors: ``refresh.`` for
+    the trainer's section (``--refresh.index``); ``RefresherConfig``, the ``refresh``
+    command's own, spells them bare (``--index``)."""
 
     run_dir: str = resumable("")
     """The trainer's run folder (checkpoints/ is read, negatives/ is written); the trainer
@@ -168,29 +196,64 @@ class RefreshConfig:
     the query."""
 
     def __post_init__(self) -> None:
-        check_index_setting(self.index, self.search_backend, "refresh.")
+        opt = self.OPTIONS
+        check_index_setting(self.index, self.search_backend, opt)
         for name in ("nprobe", "ef_search", "train_size"):
             if getattr(self, name) < 0:
-                raise ValueError(
-                    f"refresh.{name} must be >= 0 (0: auto), not {getattr(self, name)}"
-                )
-        if self.parent_pid < 0:
-            raise ValueError(f"refresh.parent_pid must be >= 0, got {self.parent_pid}")
-        if self.threads < 0:
-            raise ValueError(f"refresh.threads must be >= 0, got {self.threads}")
+                raise ValueError(f"{opt}{name} must be >= 0 (0: auto), not {getattr(self, name)}")
+        for name in ("parent_pid", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{opt}{name} must be >= 0, got {getattr(self, name)}")
         if self.wait_report_s <= 0:
-            raise ValueError(f"refresh.wait_report_s must be > 0, got {self.wait_report_s}")
-        if self.shard_rows < 1:
-            raise ValueError(f"refresh.shard_rows must be >= 1, got {self.shard_rows}")
+            raise ValueError(f"{opt}wait_report_s must be > 0, got {self.wait_report_s}")
+        for name in ("shard_rows", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{opt}{name} must be >= 1, got {getattr(self, name)}")
         if self.mode not in REFRESH_MODES:
-            raise ValueError(f"refresh.mode must be one of {REFRESH_MODES}, not {self.mode!r}")
+            raise ValueError(f"{opt}mode must be one of {REFRESH_MODES}, not {self.mode!r}")
         for name in ("pool_k", "pool_full_every"):
             if getattr(self, name) < 0:
-                raise ValueError(f"refresh.{name} must be >= 0, not {getattr(self, name)}")
+                raise ValueError(f"{opt}{name} must be >= 0, not {getattr(self, name)}")
         if self.embedding_dtype not in DTYPES:
             raise ValueError(
-                f"refresh.embedding_dtype must be one of {DTYPES}, not {self.embedding_dtype!r}"
+                f"{opt}embedding_dtype must be one of {DTYPES}, not {self.embedding_dtype!r}"
             )
+
+
+@dataclass(kw_only=True)
+class RefresherMiningConfig(MiningConfig):
+    """What each version holds (``RefresherConfig.mining``: ``--mining.top_k``)."""
+
+    OPTIONS: ClassVar[str] = "mining."
+
+
+@dataclass(kw_only=True)
+class RefresherConfig(RefreshConfig):
+    """The settings of ``retromae-ds refresh`` (and ``python -m retromae_ds.ance.refresher``,
+    which the trainer's local refresher and slurm/finetune.sh run): ``RefreshConfig``'s, read
+    without the trainer's ``refresh.`` prefix (``--index``, ``--mining.top_k``), and so named
+    in its errors."""
+
+    OPTIONS: ClassVar[str] = ""
+    mining: RefresherMiningConfig = field(default_factory=RefresherMiningConfig)
+    """What each version holds (also BM25's first version, which the trainer mines)."""
+
+
+PATH_FIELDS = ("run_dir", "data_dir", "cache_dir")
+"""The folders a refresh section names: relative ones are relative to where it was given."""
+
+
+def with_absolute_paths(settings: dict[str, Any]) -> dict[str, Any]:
+    """A ``refresh`` section as a mapping (``to_dict``), its folders (``PATH_FIELDS``) made
+    absolute against the current directory (normalised, symlinks kept): what the trainer
+    writes into ``RUN/refresh_config.json``, which refreshers started from anywhere read (a
+    Slurm step, ``retromae-ds refresh --config RUN/refresh_config.json`` in another folder).
+    Empty settings stay empty (their defaults)."""
+    out = dict(settings)
+    for name in PATH_FIELDS:
+        if out.get(name):
+            out[name] = os.path.abspath(os.fspath(out[name]))
+    return out
 
 
 def mining_settings(cfg: MiningConfig) -> dict[str, Any]:
@@ -201,4 +264,5 @@ def mining_settings(cfg: MiningConfig) -> dict[str, Any]:
         "strategy": cfg.strategy,
         "skip_top": cfg.skip_top,
         "max_score_ratio": cfg.max_score_ratio,
+        "ignore_identical_ids": cfg.ignore_identical_ids,
     }

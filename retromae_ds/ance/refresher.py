@@ -43,15 +43,17 @@ it waits it says what for every ``wait_report_s``. One refresher per negatives f
 naming its holder; a second one fails at start naming it). A data folder (``data_dir``; by
 default the one the trainer named in ``refresh_config.json``) whose fingerprint differs from
 the one the run's negatives were mined for is refused at start. A write that fails (a full
-disk under ``negatives/``) stops the refresher with one line naming the file and the space
-left (exit 1) instead of re-encoding forever; the hidden ``.work`` shards already complete are
-reused by the next refresher once there is space. A checkpoint that cannot be read (pruned by
+disk under ``negatives/``, or a read-only one) stops the refresher with one line naming the
+file and the space left, or the folder that is not writable (exit 1), instead of
+re-encoding forever; the hidden ``.work`` shards already complete are reused by the next
+refresher once there is space. A checkpoint that cannot be read (pruned by
 the trainer meanwhile) is skipped once, not retried.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -67,7 +69,7 @@ import torch
 from retromae_ds.ance import candidate_pool, embed_shards, handoff
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance.publish import Ranking, mine_and_publish
-from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.ance.refresh_config import RefreshConfig, RefresherConfig
 from retromae_ds.ance.stages import (
     MAX_ENCODE_ROUNDS,
     RANKING,
@@ -587,13 +589,20 @@ def _next_action(cfg: RefreshConfig, layout: RunLayout, data_dir: Path, watch: W
 
 def refresh_command(cfg: RefreshConfig) -> None:
     """``retromae-ds refresh``: :func:`run_refresher`, a failed negatives write reported with
-    what the user can do about it."""
+    what the user can do about it (free space on a full disk; make a read-only or
+    permission-denied folder writable)."""
     try:
         run_refresher(cfg)
     except handoff.NegativesWriteError as exc:
+        if exc.errno in handoff.NOT_WRITABLE:
+            fix = f"make {RunLayout(cfg.run_dir).negatives} writable"
+        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there"
+        else:
+            fix = "fix that"
         error = handoff.NegativesWriteError(
-            f"{exc}; the trainer trains on with the version it has: free space there and start "
-            "the refresher again (a resumed fine-tuning starts its local one)"
+            f"{exc}; the trainer trains on with the version it has: {fix} and start the "
+            "refresher again (a resumed fine-tuning starts its local one)"
         )
         error.errno = exc.errno
         raise error from exc
@@ -605,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     line, exit 2 for bad input and 1 for files, a traceback only with ``RETROMAE_DS_DEBUG``
     on (``errors.run_reporting``)."""
     return run_command(
-        RefreshConfig,
+        RefresherConfig,
         refresh_command,
         argv,
         prog="retromae-ds refresh",

@@ -187,9 +187,10 @@ def pick_device(cfg: RefreshConfig, local_rank: int) -> torch.device:
     return device
 
 
-def index_choice(cfg: RefreshConfig, n: int, dim: int) -> IndexChoice:
-    """What ``refresh.index`` and its settings resolve to for ``n`` passages of ``dim``, or a
-    ValueError naming the setting at fault."""
+def index_choice(cfg: RefreshConfig, n: int, dim: int, k: int = 0) -> IndexChoice:
+    """What ``refresh.index`` and its settings resolve to for ``n`` passages of ``dim`` (with
+    ``k``, searches for ``k`` results: ``ef_search`` auto as the value they use), or a
+    ValueError naming the setting at fault as the running command spells it."""
     from retromae_ds.search.build import resolve_index  # faiss: loaded by the refresher only
 
     return resolve_index(
@@ -200,7 +201,8 @@ def index_choice(cfg: RefreshConfig, n: int, dim: int) -> IndexChoice:
         nprobe=cfg.nprobe,
         ef_search=cfg.ef_search,
         train_size=cfg.train_size,
-        prefix="refresh.",
+        k=k,
+        prefix=cfg.OPTIONS,
     )
 
 
@@ -540,11 +542,11 @@ def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
     n = sum(shard.rows for shard in shards)
     lo = shards[0].lo if shards else 0
     rows = ShardRows(shards, dim)
-    choice = index_choice(cfg, n, dim) if shards else None  # a rank without shards: no index
+    k = min(job.top_k(), max(1, n))
+    choice = index_choice(cfg, n, dim, k) if shards else None  # a rank without shards: none
     record = job.part("index").with_suffix(".json")
     with writing(record, "the index record"):
         atomic_write_text(record, json.dumps(choice.record() if choice else None))
-    k = min(job.top_k(), max(1, n))
     device = pick_device(cfg, job.group.local_rank)  # torch backend: this rank's device
     bar = dict(desc=f"search r{job.group.rank}", unit="shard", disable=not cfg.progress)
     if not shards:
@@ -559,7 +561,7 @@ def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
         index = build_index(
             cfg.index, dim=dim, n=n, backend=cfg.search_backend, device=device, nprobe=cfg.nprobe,
             ef_search=cfg.ef_search, train_size=cfg.train_size, seed=cfg.mining.seed,
-            prefix="refresh.",
+            prefix=cfg.OPTIONS,
         )  # fmt: skip
         count = index.training_vectors(n)
         if count:  # the sample ApproximateIndex.train would draw from all n vectors

@@ -231,15 +231,21 @@ class ApproximateIndex:
             return pad_topk(*empty, k)
         width = min(k, n)
         fb.check_gpu_k(max(width, self.nprobe), self.on_gpu)
-        ef = self.ef_search
-        if not ef and self.layout.hnsw_quantizer:
-            ef = auto_ef_search(self.nprobe, quantizer=True)
-        elif not ef and self.layout.hnsw:
-            ef = auto_ef_search(width)
+        ef = self.ef_search_for(width)
         fb.set_search_parameters(
             self._index, self.on_gpu, self.layout, nprobe=self.nprobe, ef_search=ef
         )
         return pad_topk(*fb.search(self._index, q, width), k)
+
+    def ef_search_for(self, k: int) -> int:
+        """The HNSW candidate list a search for ``k`` results uses: ``ef_search``, or when it
+        is 0 (auto) ``auto_ef_search`` of k (an HNSW coarse quantiser: of ``nprobe``); 0
+        without an HNSW graph."""
+        if self.ef_search or not (self.layout.hnsw or self.layout.hnsw_quantizer):
+            return self.ef_search
+        if self.layout.hnsw_quantizer:
+            return auto_ef_search(self.nprobe, quantizer=True)
+        return auto_ef_search(k)
 
     def nbytes(self) -> int:
         """Bytes of the index as faiss serialises it: codes or vectors, lists, graph links."""

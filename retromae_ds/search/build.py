@@ -36,7 +36,8 @@ class IndexChoice:
     nprobe: int
     """IVF lists probed per query (0: no lists)."""
     ef_search: int
-    """HNSW candidate list (0: no graph, or auto: 4·k per search)."""
+    """HNSW candidate list: the value searches use (0: no graph; or auto resolved without a
+    ``k``, which sets it per search: 4·k, at least 64)."""
     train_size: int
     """Vectors sampled to train lists or codes (0: no training)."""
 
@@ -61,10 +62,13 @@ def resolve_index(
     nprobe: int = 0,
     ef_search: int = 0,
     train_size: int = 0,
+    k: int = 0,
     prefix: str = "",
 ) -> IndexChoice:
     """The ``IndexChoice`` of ``index`` for ``n`` vectors of ``dim``, or a ValueError naming
-    the setting at fault (``prefix``: how settings are spelled, e.g. ``refresh.``)."""
+    the setting at fault (``prefix``: how settings are spelled, e.g. ``refresh.``). ``k``:
+    the results each search asks for, so that an automatic ``ef_search`` is recorded as the
+    value those searches use (0: not known, recorded as 0)."""
     check_index_setting(index, backend, prefix)
     for name, value in (("nprobe", nprobe), ("ef_search", ef_search), ("train_size", train_size)):
         if value < 0:
@@ -96,7 +100,7 @@ def resolve_index(
         factory,
         resolved_backend,
         probe.nprobe,
-        probe.ef_search,
+        probe.ef_search_for(min(k, n)) if k else probe.ef_search,
         probe.training_vectors(n),
     )
 
