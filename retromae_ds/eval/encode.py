@@ -13,6 +13,10 @@ the paper's representation; ``retromae_ds.modeling.bow``). The DupMAE poolings n
 masked-LM model (its MLM head); ``from_dir`` loads one for them. ``normalize`` scales rows to
 unit length.
 
+A text longer than ``cut_chars(max_length)`` characters is cut before it is tokenized
+(``bounded_texts``: the tokenizer holds ~100 bytes a character, so one 10 MB document took
+1.1 GB), keeping the same tokens: memory stays bounded whatever a document's length.
+
 Anything else that maps a list of strings to an ``[N, D]`` array can stand in for it:
 ``encode_texts`` calls such an ``Encoder`` and checks what it returns.
 """
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from retromae_ds.data.rows import split_long_texts
 from retromae_ds.hf import sbert
 from retromae_ds.hf.util import load_tokenizer_checked
 from retromae_ds.modeling.bow import bow_vectors
@@ -34,6 +39,47 @@ from retromae_ds.modeling.load import load_pretrained, load_with_head
 
 Encoder = Callable[[list[str]], np.ndarray]
 Pooling = Literal["cls", "mean", "dupmae", "dupmae_bow"]
+
+
+CHARS_PER_TOKEN = 16
+"""Characters per token of ``max_length`` a text keeps before it is tokenized (English
+WordPiece averages ~4-5); a denser text is given more (``bounded_texts``)."""
+MIN_CUT_CHARS = 1 << 13
+"""Texts of at most this many characters are tokenized whole, whatever ``max_length``."""
+MAX_GROWTH = 16
+"""A cut prefix with too few tokens grows up to this many times ``cut_chars``."""
+
+
+def cut_chars(max_length: int) -> int:
+    """Characters of a text handed to the tokenizer first at ``max_length`` tokens."""
+    return max(MIN_CUT_CHARS, CHARS_PER_TOKEN * max_length)
+
+
+def bounded_texts(tokenizer, texts: Sequence[str], max_length: int) -> list[str]:
+    """``texts`` with each one longer than ``cut_chars(max_length)`` characters cut to a
+    prefix that still holds more than ``max_length`` tokens, cut just before a whitespace
+    character that precedes a word (``data.rows.split_long_texts``: there WordPiece behind
+    BERT's pre-tokenizer and byte-level BPE give the same tokens as for the whole text), so
+    that tokenized with truncation to ``max_length`` it gives the whole text's ids. A prefix
+    with too few tokens is grown fourfold, up to ``MAX_GROWTH`` times the first cut: past
+    that, a text still that sparse in tokens (one whitespace-free run of characters, such as
+    an encoded blob) is cut there anyway, and memory stays bounded."""
+    return [_bounded(tokenizer, text, max_length) for text in texts]
+
+
+def _bounded(tokenizer, text: str, max_length: int) -> str:
+    chars = first = cut_chars(max_length)
+    while len(text) > chars:
+        prefix = split_long_texts([text[: chars + 1]], chars)[0][0]
+        if chars >= MAX_GROWTH * first:
+            return prefix
+        ids = tokenizer(
+            prefix, add_special_tokens=False, truncation=True, max_length=max_length + 1
+        )["input_ids"]
+        if len(ids) > max_length:
+            return prefix
+        chars *= 4
+    return text
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -80,8 +126,8 @@ class HFEncoder:
             masked-LM ``model``: its MLM head; the hidden states come from its body).
         normalize: L2-normalise the embeddings.
         bow_topk: DupMAE poolings: entries of the bag-of-words vector kept (0: all).
-        max_length: tokens per text, special tokens included (longer texts are truncated);
-            capped by the tokenizer's ``model_max_length`` and the model's position embeddings
+        max_length: tokens per text, special tokens included (longer texts are truncated,
+            a very long one cut before it is tokenized: ``bounded_texts``); capped by the tokenizer's ``model_max_length`` and the model's position embeddings
             (``self.max_length`` is the length used, ``self.capped_by`` the limit that capped
             it, or None).
         batch_size: texts per forward pass.
@@ -219,7 +265,11 @@ class HFEncoder:
 
     def _encode_batch(self, texts: list[str], poolings: Sequence[Pooling]) -> dict[str, np.ndarray]:
         batch = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            bounded_texts(self.tokenizer, texts, self.max_length),
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
         )
         batch = {name: t.to(self.device) for name, t in batch.items()}
         body = getattr(self.model, "base_model", self.model)  # a masked-LM model's encoder

@@ -16,6 +16,7 @@ from torch import nn
 from retromae_ds.attention.packing import Packing
 from retromae_ds.modeling.load import load_pretrained
 from retromae_ds.modeling.long_attention import use_broadcast_mask
+from retromae_ds.modeling.mask_form import takes_4d_mask
 from retromae_ds.modeling.positions import extend_positions, position_offset
 
 PRESETS = {
@@ -86,6 +87,7 @@ def build_encoder(
         )
         model = BertForMaskedLM(config)
         use_broadcast_mask(model)
+        takes_4d_mask(model)  # the mask form, chosen now rather than at the first step
     else:
         # a missing MLM head is named (an exported encoder has none: start from its run);
         # loading installs the broadcast padding mask
@@ -163,21 +165,26 @@ def encode(
     packing: Packing | None = None,
 ) -> torch.Tensor:
     """Last-layer hidden states [B, L, H] of the encoder body. With SDPA attention the padding
-    mask goes in as ``padding_mask_4d``: no read from the device. Packed rows (``packing``)
+    mask goes in as ``padding_mask_4d`` (as [B, 1, L] where this transformers takes no 4-D
+    mask: ``takes_4d_mask``): no read from the device. Packed rows (``packing``)
     attend within their document, with positions counted from each document's [CLS]: each
     document's states are those it gets alone (tests/test_packing.py)."""
     body = model.base_model
     implementation = getattr(body.config, "_attn_implementation", None)
+    four_d = takes_4d_mask(model)
     if packing is not None:
         mask = packing.encoder_mask()
-        if implementation not in _BOOL_MASK_ATTENTION:  # eager adds the mask to the scores
+        if not four_d:  # [B, L, L]: transformers makes it additive, for every implementation
+            mask = mask[:, 0]
+        elif implementation not in _BOOL_MASK_ATTENTION:  # eager adds the mask to the scores
             mask = additive_mask(mask, body.dtype)
         positions = packing.position_ids_BL + position_offset(model)
         out = body(input_ids=input_ids, attention_mask=mask, position_ids=positions)
         return out.last_hidden_state
     mask = attention_mask
     if attention_mask.dim() == 2 and implementation in _BOOL_MASK_ATTENTION:
-        mask = padding_mask_4d(attention_mask)
+        # before 4-D masks, a 3-D [B, 1, L] one skips the same check (its own broadcast form)
+        mask = padding_mask_4d(attention_mask) if four_d else attention_mask[:, None, :]
     return body(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
 

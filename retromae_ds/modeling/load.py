@@ -10,6 +10,7 @@ from typing import Any
 
 from retromae_ds.hf.util import quiet_transformers
 from retromae_ds.modeling.long_attention import use_broadcast_mask
+from retromae_ds.modeling.mask_form import takes_4d_mask
 
 
 def load_pretrained(
@@ -35,6 +36,7 @@ def load_pretrained(
             flush=True,
         )
     use_broadcast_mask(model)
+    takes_4d_mask(model)  # the mask form, chosen now rather than at the first step
     return model
 
 
@@ -79,4 +81,5 @@ def load_with_head(folder: str | Path) -> Any:
             "--pooling dupmae / dupmae_bow"
         )
     use_broadcast_mask(model)
+    takes_4d_mask(model)  # the mask form, chosen now rather than at the first step
     return model

@@ -33,7 +33,10 @@ def embeddings(model: nn.Module) -> nn.Module:
 def position_offset(model: nn.Module) -> int:
     """Rows of the position table before position 0 (RoBERTa family: padding_idx + 1)."""
     emb = embeddings(model)
-    if hasattr(emb, "create_position_ids_from_input_ids"):
+    # transformers 4 (4.45 - 4.57) has only the second method on the module (the first is a
+    # module-level function there)
+    methods = ("create_position_ids_from_input_ids", "create_position_ids_from_inputs_embeds")
+    if any(hasattr(emb, name) for name in methods):
         return int(emb.padding_idx) + 1
     return 0
 
