@@ -38,12 +38,14 @@ import numpy as np
 import torch
 
 from retromae_ds.base import faults
-from retromae_ds.base.fsutil import atomic_write_text, fsync_dir, sha256_file
+from retromae_ds.base.fsutil import atomic_write_json, atomic_write_text, fsync_dir, sha256_file
 from retromae_ds.components.layout import (
     COMPLETE,
     ENCODER,
     PARTIAL_DIR,
     QUERY_ENCODER,
+    RUN_CONFIG,
+    SET_ASIDE_DIR,
     STEP_DIR,
     RunLayout,
     rank_state_file,
@@ -62,6 +64,10 @@ class CheckpointConfig:
     as ``step_N.corrupt``), or step 0 when it has none; a run whose checkpoints all fail is
     refused. ``none``: start over at step 0 (checkpoints already there are set aside as
     ``step_N.superseded``). Or the path of a checkpoint."""
+    prune_set_aside: bool = False
+    """Delete the checkpoint folders set aside (``step_N.corrupt``, ``step_N.superseded``) when
+    the run starts, those this start sets aside included; false keeps them and says at each
+    start how many there are and the space they hold."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep_last"):
@@ -204,6 +210,62 @@ def set_aside(folder: Path, why: str) -> Path:
     return target
 
 
+def set_aside_folders(root: Path) -> list[Path]:
+    """The step folders of ``root`` a resume set aside (``step_N.corrupt``,
+    ``step_N.superseded``), oldest step first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p.name, p) for p in root.iterdir()
+             if (m := SET_ASIDE_DIR.match(p.name)) and p.is_dir()]  # fmt: skip
+    return [p for *_, p in sorted(found)]
+
+
+def _tree_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder``; what cannot be read counts 0 (rank 0 sizes the
+    folders while the other ranks wait, so nothing here may raise)."""
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def account_set_aside(root: Path, *, prune: bool, log: Callable[[str], None]) -> None:
+    """One line at a run's start about the folders set aside under ``root``: how many and
+    the space they hold, and how to delete them; with ``prune``, delete them and say what
+    was freed. Set-aside folders are never read again, so each repeated corruption or
+    ``--checkpoint.resume none`` would otherwise keep one more whole checkpoint unsaid."""
+    folders = set_aside_folders(root)
+    if not folders:
+        return
+    size = sum(_tree_bytes(f) for f in folders)
+    kinds = "step_N.corrupt, step_N.superseded"
+    if prune:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        log(f"checkpoints: deleted {len(folders)} set-aside folder(s) ({kinds}) in {root}, "
+            f"{_mb(size)} freed (--checkpoint.prune_set_aside true)")  # fmt: skip
+        return
+    log(f"checkpoints: {len(folders)} set-aside folder(s) ({kinds}) in {root} hold {_mb(size)}; "
+        "no run reads them again: delete them, or start a run with "
+        "--checkpoint.prune_set_aside true to delete them")  # fmt: skip
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def recorded_config(checkpoint: Path) -> Path | None:
+    """The resolved config a checkpoint records of the run that wrote it (its
+    ``run_config.json``, listed in its record), or None for one written before checkpoints
+    recorded it."""
+    path = Path(checkpoint) / RUN_CONFIG
+    return path if path.is_file() else None
+
+
 def _problem(checkpoint: Path) -> str | None:
     """Why a step folder is no checkpoint to resume from (no record, or a file or the record
     itself failing :func:`verify`), or None when it verifies."""
@@ -216,8 +278,35 @@ def _problem(checkpoint: Path) -> str | None:
     return None
 
 
-def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
-    """The checkpoint a run resumes from (rank 0, before any rank loads it).
+def pretraining_evidence(layout: RunLayout) -> str | None:
+    """What shows ``layout.root`` to be a pre-training run (its ``config.json`` has a
+    pre-training objective, or its newest complete checkpoint records one), or None. Reads
+    only; an unreadable file is no evidence (the commands that read it name it)."""
+    try:
+        saved = json.loads(layout.config.read_text())
+        model = saved.get("model") if isinstance(saved, dict) else None
+        if isinstance(model, dict) and "objective" in model:
+            return "its config.json has a pre-training objective"
+    except (OSError, ValueError):
+        pass  # no or an unreadable config.json: the checkpoints' records tell
+    newest = latest_complete(layout.checkpoints)
+    if newest is None:
+        return None
+    try:
+        objective = read_marker(newest).get("objective", "contrastive")
+    except (OSError, ValueError):
+        return None
+    if objective == "contrastive":
+        return None
+    return f"{newest.name} records the {objective!r} objective"
+
+
+def resolve_resume(
+    resume: str, run_dir: Path, *, log=print, check: Callable[[Path], None] | None = None
+) -> Path | None:
+    """The checkpoint a run resumes from (rank 0, before any rank loads it). ``check`` (the
+    trainer's settings check) runs on it before any folder is set aside, so a resume it
+    refuses moves nothing.
 
     ``none`` -> None: the run starts over; the step folders already there are set aside as
     ``step_N.superseded`` (one line), so the new run's checkpoints never mix with them.
@@ -236,6 +325,8 @@ def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
         for candidate in reversed(step_folders(root)):
             problem = _problem(candidate)
             if problem is None:
+                if check is not None:
+                    check(candidate)
                 for folder, why in bad:
                     log(f"resume: {folder.name} is corrupt ({why}); set aside as "
                         f"{set_aside(folder, 'corrupt').name}, not deleted")  # fmt: skip
@@ -256,6 +347,8 @@ def resolve_resume(resume: str, run_dir: Path, *, log=print) -> Path | None:
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
     verify(path)
+    if check is not None:
+        check(path)
     step = read_marker(path).get("step")
     if path.resolve().parent == root.resolve() and isinstance(step, int):
         _set_aside_newer(root, step, log, f"resume from {path.name}: the newer checkpoints")
@@ -461,7 +554,11 @@ class CheckpointManager:
         rank_state: dict[str, Any],
         marker: dict[str, Any],
         write_models: Callable[[dict[str, torch.Tensor], Path], None],
+        run_config: dict[str, Any] | None = None,
     ) -> None:
+        """A complete checkpoint of ``step`` (collective); ``run_config``, the run's resolved
+        config, is recorded in it (``run_config.json``, hashed in the record like every file):
+        the settings a resume from it is checked against."""
         from retromae_ds.components import engine as eng
 
         root = self.layout.checkpoints
@@ -471,6 +568,8 @@ class CheckpointManager:
         eng.barrier()
         eng.save_engine(engine, root, staging.name, {"step": step})
         write_rank_state(staging, self.rank, {**rank_state, "rng": rng_state()})
+        if self.rank == 0 and run_config is not None:
+            atomic_write_json(staging / RUN_CONFIG, run_config)
         state = eng.consolidated_state_dict(engine)
         if state is not None:
             with torch.random.fork_rng(devices=[]), quiet_transformers():
@@ -489,9 +588,17 @@ class CheckpointManager:
         names, where a newer folder may be corrupt: the final save depends on it."""
         return self._newest
 
-    def choose(self, resume: str) -> Path | None:
-        """The checkpoint ``resume`` names, verified (collective: rank 0 checks the files and
-        chooses, every rank gets the same answer or the same error)."""
+    def choose(
+        self,
+        resume: str,
+        *,
+        prune_set_aside: bool = False,
+        check: Callable[[Path], None] | None = None,
+    ) -> Path | None:
+        """The checkpoint ``resume`` names, verified and passed by ``check`` before anything
+        is set aside (collective: rank 0 checks the files and chooses, every rank gets the
+        same answer or the same error); rank 0 then accounts for the folders set aside
+        (:func:`account_set_aside`)."""
         from retromae_ds.components import engine as eng
 
         def note(text: str) -> None:
@@ -502,11 +609,12 @@ class CheckpointManager:
         chosen, problem = None, None
         if self.rank == 0:
             try:
-                found = resolve_resume(resume, self.layout.root, log=note)
+                found = resolve_resume(resume, self.layout.root, log=note, check=check)
             except (OSError, ValueError) as exc:
                 problem = exc  # picklable: every rank raises the same error
             else:
                 chosen = None if found is None else str(found)
+                account_set_aside(self.layout.checkpoints, prune=prune_set_aside, log=note)
         chosen, problem = eng.broadcast_object((chosen, problem))
         if problem is not None:
             raise problem
@@ -522,7 +630,21 @@ class CheckpointManager:
                 f"{checkpoint}: saved with world size {marker['world_size']}, "
                 f"this run has {self.world_size}"
             )
-        eng.load_engine(engine, checkpoint.parent, checkpoint.name)
+        try:
+            eng.load_engine(engine, checkpoint.parent, checkpoint.name)
+        except RuntimeError as exc:
+            if "state_dict" not in str(exc):
+                raise
+            # a model of another shape (another objective or encoder): one line, not a dump
+            # of every key
+            lines = str(exc).strip().splitlines()
+            kinds = [x.split(":")[0].strip() for x in lines[1:] if "key(s)" in x]
+            first = "; ".join([lines[0].rstrip(":"), *kinds])
+            raise ValueError(
+                f"{checkpoint}: its model does not fit this run's ({first}); resume it with the "
+                "settings that wrote it, or start a new run_dir (or --checkpoint.resume none to "
+                "start over)"
+            ) from None
         rank_state = read_rank_state(checkpoint, self.rank)
         set_rng_state(rank_state["rng"])
         if checkpoint.resolve().parent == self.layout.checkpoints.resolve():

@@ -14,10 +14,14 @@ layout is written down once::
             step_00000100/       complete (see retromae_ds.components.checkpoint)
                 COMPLETE         completion record, written last
                 rank_00000.pt    per-rank state: sampler, RNG, task state
+                run_config.json  the resolved training config that wrote it (the authority
+                                 a resume is checked against; listed in COMPLETE)
                 encoder/         the encoder as a Hugging Face folder
                 query_encoder/   fine-tuning with separate towers only
                 <DeepSpeed files>
             step_00000200.partial/   being written, or left by a crash: never read
+            step_00000300.corrupt/   set aside by a resume (never read again; counted at
+            step_00000300.superseded/  every start, deleted by --checkpoint.prune_set_aside)
         data/                    fine-tuning: the tokenized BEIR split (retromae_ds.ance.data)
         negatives/               fine-tuning: versioned hard negatives (retromae_ds.ance.handoff)
         refresh_config.json      fine-tuning: the refresher's settings, for any refresher
@@ -39,9 +43,13 @@ ENCODER = "encoder"
 """The encoder inside a checkpoint, as a Hugging Face folder."""
 QUERY_ENCODER = "query_encoder"
 """The query tower inside a fine-tuning checkpoint whose towers are not shared."""
+RUN_CONFIG = "run_config.json"
+"""Inside a checkpoint: the resolved config of the run that wrote it (listed in its record)."""
 PARTIAL_SUFFIX = ".partial"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 PARTIAL_DIR = re.compile(r"^step_(\d{8})\.partial$")
+SET_ASIDE_DIR = re.compile(r"^step_(\d{8})(?:\.\d+)?\.(corrupt|superseded)$")
+"""A step folder a resume set aside (``checkpoint.set_aside``): kept for the user, never read."""
 
 
 def step_tag(step: int) -> str:

@@ -16,15 +16,17 @@ stopped after step s and resumed computes the same losses at every later step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -45,6 +47,7 @@ from retromae_ds.components.checkpoint import (
     Restored,
     latest_complete,
     read_marker,
+    recorded_config,
 )
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.metrics_log import MetricsLogger
@@ -70,14 +73,26 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def read_saved_config(path: Path) -> dict[str, Any]:
+    """A config a run saved (``RUN/config.json``, a checkpoint's ``run_config.json``); one
+    that cannot be read or parsed (truncated, not UTF-8, not an object) is a ValueError
+    naming the file."""
+    try:
+        data = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise ValueError(f"{path}: unreadable saved config ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: unreadable saved config (not a JSON object)")
+    return data
+
+
 def check_resume_config(cfg: RunConfig, saved: Path) -> None:
     """Refuse to resume with settings that change the meaning of the run: compare ``cfg``
-    with the config saved by the run that wrote the checkpoint (``saved``), naming the first
-    fields that differ. Fields marked ``config.resumable`` may differ, and so may a field the
-    saved config predates while it holds its default (it then means what the old run did)."""
-    if not saved.is_file():
-        return  # a checkpoint from elsewhere: nothing to compare with
-    old = _flatten(apply_renamed(type(cfg), json.loads(saved.read_text()), quiet=True, saved=True))
+    with the config the checkpoint was written with (``saved``: its ``run_config.json``, or
+    the run's ``config.json``; see :func:`resume_settings`), naming the first fields that
+    differ. Fields marked ``config.resumable`` may differ, and so may a field the saved
+    config predates while it holds its default (it then means what the old run did)."""
+    old = _flatten(apply_renamed(type(cfg), read_saved_config(saved), quiet=True, saved=True))
     new = _flatten(to_dict(cfg))
     allowed = resume_may_change(type(cfg))
     defaults = flat_defaults(type(cfg))
@@ -98,6 +113,50 @@ def check_resume_config(cfg: RunConfig, saved: Path) -> None:
             f"{saved}; these change what the resumed steps compute. Keep them, or start a new "
             "run_dir (or --checkpoint.resume none to start over)"
         )
+
+
+def _config_problem(path: Path) -> str | None:
+    """Why a run's ``config.json`` cannot be read (missing, unreadable), or None."""
+    if not path.is_file():
+        return f"{path} is missing"
+    try:
+        read_saved_config(path)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def resume_settings(checkpoint: Path, run_dir: Path) -> tuple[Path, str | None]:
+    """(the file a resume from ``checkpoint`` is checked against, a note for rank 0 or None).
+
+    The checkpoint's own record of the settings it was trained with (its ``run_config.json``,
+    hashed in ``COMPLETE`` and verified with it) is the authority: a lost or damaged
+    ``RUN/config.json`` cannot let a resume change the objective, and is said in the note
+    (``start_log`` writes it again). A checkpoint written before checkpoints recorded their
+    settings falls back on the ``config.json`` of the run that wrote it; when that is missing
+    or unreadable nothing says what the checkpoint trained, and the resume is refused in one
+    line saying what to do."""
+    recorded = recorded_config(checkpoint)
+    saved = RunLayout(checkpoint.parent.parent).config
+    if recorded is not None:
+        own = checkpoint.parent.resolve() == RunLayout(run_dir).checkpoints.resolve()
+        problem = _config_problem(saved) if own else None
+        note = (
+            f"resume: {problem}; rebuilt from {recorded}, the checkpoint's own record of the "
+            "settings it was trained with (this resume was checked against it)"
+            if problem
+            else None
+        )
+        return recorded, note
+    problem = _config_problem(saved)
+    if problem is None:
+        return saved, None
+    raise ValueError(
+        f"resume: {checkpoint} predates checkpoints that record their settings and {problem}, "
+        "so nothing says what it was trained with (objective, model, data) and this resume "
+        f"cannot be checked; put that run's config.json back at {saved}, or start a new "
+        "run_dir (or --checkpoint.resume none to start over)"
+    )
 
 
 def _saved_max_steps(saved: Path) -> int | None:
@@ -256,10 +315,19 @@ class Trainer:
         clash = sorted(set(self.state) & set(TRAINER_STATE))
         if clash:
             raise ValueError(f"task state names {clash} are the trainer's own")
-        checkpoint = self.checkpoints.choose(self.cfg.checkpoint.resume)
+        checkpoint = self.checkpoints.choose(
+            self.cfg.checkpoint.resume,
+            prune_set_aside=self.cfg.checkpoint.prune_set_aside,
+            # settings that differ are refused before a newer folder is set aside
+            check=lambda ckpt: check_resume_config(
+                self.cfg, resume_settings(ckpt, self.layout.root)[0]
+            ),
+        )
         if checkpoint is None:
             return None
-        check_resume_config(self.cfg, RunLayout(checkpoint.parent.parent).config)
+        settings, note = resume_settings(checkpoint, self.layout.root)
+        if note and self.dist.rank == 0:
+            print(note, file=sys.stderr, flush=True)
         restored = self.checkpoints.load(self.engine, checkpoint)
         missing = sorted(set(self.state) - set(restored.rank_state))
         if missing:
@@ -271,7 +339,7 @@ class Trainer:
         self.step = restored.step
         saved_max = restored.rank_state.get("max_steps")  # absent before it was saved
         if saved_max is None:
-            saved_max = _saved_max_steps(RunLayout(checkpoint.parent.parent).config)
+            saved_max = _saved_max_steps(settings)
         if self.dist.rank == 0 and saved_max not in (None, self.max_steps):
             print(
                 schedule_change(self.cfg.optim, saved_max, self.max_steps, self.step),
@@ -322,6 +390,7 @@ class Trainer:
                 },
                 marker=hooks.marker(),
                 write_models=hooks.write_models,
+                run_config=to_dict(self.cfg),
             )
         except Exception as exc:
             kept_step = self.checkpoints.newest_step()
@@ -604,5 +673,32 @@ def run_job(run: Callable[[Any], Any], cfg: Any, prog: str) -> int:
     except StopRequested:
         return EXIT_REQUEUE
     except KeyboardInterrupt:
-        return interrupted(prog, cfg.run_dir)
+        status = interrupted(prog, cfg.run_dir)
+        if _started_for_this_command():
+            end_process(status)
+        return status
     return 0
+
+
+def _started_for_this_command() -> bool:
+    """Whether this process was started to run one command (``retromae-ds ...``, ``python -m
+    retromae_ds.JOB`` under any launcher), so that ending it ends nothing else: a notebook or
+    a test that calls the command in-process gets the status back instead."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.startswith("retromae_ds."):
+        return True
+    return Path(getattr(main, "__file__", None) or "").name == "retromae-ds"
+
+
+def end_process(status: int) -> NoReturn:
+    """Exit with ``status`` now, after flushing stdout and stderr, without the interpreter's
+    finalization. After Ctrl-C everything the run writes is closed (the log, the lock, the
+    refresher) and its one line printed; what finalization would still do is collect the
+    whole heap of torch, DeepSpeed and transformers module by module and tear down the
+    process groups: about 5 s on an idle machine, 10-20 s under load, and once more than
+    120 s (issue 55 item 8), a terminal left hanging after the message."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or detached
+            stream.flush()
+    os._exit(status)
