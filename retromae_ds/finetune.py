@@ -59,7 +59,7 @@ from retromae_ds.base.config import resumable, to_dict
 from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components import engine as eng
-from retromae_ds.components.checkpoint import latest_complete, read_marker, resolve_encoder
+from retromae_ds.components.checkpoint import pretraining_evidence, resolve_encoder
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler
@@ -218,26 +218,10 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
 
 def pretraining_run(layout: RunLayout) -> str | None:
-    """Why ``layout.root`` is a pre-training run, one line (its ``config.json`` has a
-    pre-training objective, or its newest complete checkpoint records one), or None. Reads
-    only: fine-tuning into it would write ``data/`` and ``negatives/`` beside its checkpoints,
-    and resuming it would mean setting those aside."""
-    what = None
-    try:
-        saved = json.loads(layout.config.read_text())
-        model = saved.get("model") if isinstance(saved, dict) else None
-        if isinstance(model, dict) and "objective" in model:
-            what = "its config.json has a pre-training objective"
-    except (OSError, ValueError):
-        pass  # no or an unreadable config.json: the checkpoints' records tell
-    newest = latest_complete(layout.checkpoints)
-    if what is None and newest is not None:
-        try:
-            objective = read_marker(newest).get("objective", "contrastive")
-        except (OSError, ValueError):
-            objective = "contrastive"  # the resume check names an unreadable record
-        if objective != "contrastive":
-            what = f"{newest.name} records the {objective!r} objective"
+    """Why ``layout.root`` is a pre-training run, one line, or None. Reads only: fine-tuning
+    into it would write ``data/`` and ``negatives/`` beside its checkpoints, and resuming it
+    would mean setting those aside."""
+    what = pretraining_evidence(layout)
     if what is None:
         return None
     return (

@@ -122,11 +122,7 @@ def run_folder_problem(layout: RunLayout) -> str | None:
         if isinstance(saved, dict) and "negatives" in saved and "refresh" in saved:
             return None  # the trainer has started; it prepares the data and negatives next
         kind = (
-            "a pre-training run"
-            if isinstance(saved, dict)
-            and isinstance(saved.get("model"), dict)
-            and "objective" in saved["model"]
-            else "not a fine-tuning run"
+            "a pre-training run" if ckpt.pretraining_evidence(layout) else "not a fine-tuning run"
         )
         return (
             f"{root}: {kind} (its config.json has no fine-tuning settings, and it holds no "
