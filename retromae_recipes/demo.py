@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 
 from retromae_ds.data.builtin_corpus import iter_documents, split_for_retrieval, write_beir
-from retromae_recipes.report import aggregate, report
+from retromae_recipes.report import report
+from retromae_recipes.report_rows import aggregate
 from retromae_recipes.study import Study
-from retromae_recipes.study_config import DEMO, bert_config
+from retromae_recipes.study_config import DEMO, StudyConfig, bert_config
 
 
 def builtin_task(folder: Path, max_docs: int | None = None, test_every: int = 3) -> Path:
@@ -84,11 +85,20 @@ def run_demo(
         steps=steps,
         finetune_steps=finetune_steps,
     )
-    max_docs = budget["max_docs"] or None
-    base_steps, steps = budget["base_steps"], budget["steps"]
-    finetune_steps = budget["finetune_steps"]
     out = Path(out)
     t0 = time.perf_counter()
+    task = _write_task(out, budget["max_docs"] or None)
+    cfg = demo_config(out, task, budget, workers, seeds, objectives, beir)
+    study = Study(cfg)
+    _print_protocol(cfg, budget)
+    rows = study.run()
+    pretraining = study.pretraining()
+    _report(out, rows, pretraining, command, t0)
+    return {"rows": rows, "aggregate": aggregate(rows), "pretraining": pretraining}
+
+
+def _write_task(out: Path, max_docs: int | None) -> Path:
+    """The built-in task under ``out/builtin``, its size said in one line."""
     task = builtin_task(out / "builtin", max_docs)
     n_docs, n_train, n_test = (
         len(path.read_text(encoding="utf-8").splitlines()) - skip
@@ -102,7 +112,22 @@ def run_demo(
         f"built-in task: {n_docs:,} documents, {n_train} train / {n_test} test queries -> {task}",
         flush=True,
     )
-    cfg = bert_config(
+    return task
+
+
+def demo_config(
+    out: Path,
+    task: Path,
+    budget: dict,
+    workers: int,
+    seeds: list[int] | None,
+    objectives: tuple[str, ...],
+    beir: list[str] | None,
+) -> StudyConfig:
+    """The study's MLM-base protocol (``bert_config``) on the built-in ``task`` at ``budget``:
+    the corpus pre-trains, the task fine-tunes and evaluates."""
+    steps = budget["steps"]
+    return bert_config(
         str(out),
         pretrain_inputs=[str(task / "corpus.jsonl")],
         finetune_beir=str(task),
@@ -114,25 +139,30 @@ def run_demo(
         mask_ratio=budget["mask_ratio"],
         length_grouping=budget.get("length_grouping", 0),
         packing=budget.get("packing", False),
-        base_steps=base_steps,
+        base_steps=budget["base_steps"],
         base_lr=budget["base_lr"],
         pretrain_steps={"bert": steps},
         pretrain_batch={"bert": budget["batch"]},
         pretrain_lr={"bert": budget["lr"]},
         curve_every={"bert": max(1, steps // budget["curve_points"])},
-        finetune_steps={"bert": finetune_steps},
+        finetune_steps={"bert": budget["finetune_steps"]},
         **({"seeds": list(seeds)} if seeds is not None else {}),
     )
-    study = Study(cfg)
+
+
+def _print_protocol(cfg: StudyConfig, budget: dict) -> None:
     print(
-        f"protocol: one MLM base ({base_steps} steps of {cfg.base_batch} × {cfg.max_length} "
-        f"tokens), continued by {', '.join(o for o in cfg.objectives if o != 'none')} × seeds "
-        f"{cfg.seeds} ({steps} steps of {budget['batch']} at lr {budget['lr']:g} each); zero-shot, "
-        f"then {finetune_steps} fine-tuning steps",
+        f"protocol: one MLM base ({budget['base_steps']} steps of {cfg.base_batch} × "
+        f"{cfg.max_length} tokens), continued by "
+        f"{', '.join(o for o in cfg.objectives if o != 'none')} × seeds {cfg.seeds} "
+        f"({budget['steps']} steps of {budget['batch']} at lr {budget['lr']:g} each); "
+        f"zero-shot, then {budget['finetune_steps']} fine-tuning steps",
         flush=True,
     )
-    rows = study.run()
-    pretraining = study.pretraining()
+
+
+def _report(out: Path, rows: list[dict], pretraining: list[dict], command: str, t0: float) -> None:
+    """Write and print the report (tables, verdicts, plots) and where everything lies."""
     notes = [
         "The built-in task: docstring summary line -> its body, over the stdlib docstrings and "
         "pydoc topics (retromae_ds/data/builtin_corpus.py).",
@@ -147,4 +177,3 @@ def run_demo(
         f"seen), encoders under {out / 'cells'}",
         flush=True,
     )
-    return {"rows": rows, "aggregate": aggregate(rows), "pretraining": pretraining}

@@ -53,7 +53,7 @@ from retromae_ds.finetune import (
 )
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
-from retromae_recipes.report import compare
+from retromae_recipes.report_rows import compare
 
 ARMS = ("bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
@@ -461,7 +461,7 @@ def _filter_stats(runs: Path) -> dict[str, Any]:
 
 
 def aggregate(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """mean and sample std over seeds per arm, in the shape ``report.compare`` reads."""
+    """mean and sample std over seeds per arm, in the shape ``report_rows.compare`` reads."""
     out: dict[str, dict[str, Any]] = {}
     for arm in dict.fromkeys(r["arm"] for r in rows):
         rs = [r for r in rows if r["arm"] == arm]
@@ -493,7 +493,7 @@ def _table(agg: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _versus_fixed(a: dict[str, Any], value: float, m: str = "ndcg@10") -> str:
-    """``report.compare`` against a deterministic reference (BM25, the init: no seeds), whose
+    """``report_rows.compare`` against a deterministic reference (BM25, the init: no seeds), whose
     standard error is zero."""
     return compare(a, {"n": 2, m: value, m + "_std": 0.0}, m)
 

@@ -5,46 +5,36 @@ Pure bookkeeping on result rows (``{"task", "start", "objective", "seed", "stage
 "pooling", "metrics"}``, as ``retromae_recipes.study.Study.run`` returns them; a row without
 ``pooling`` is CLS; a fine-tuned row also names the ``finetune_pooling`` it was trained
 with) and on the pre-training summaries (losses, tokens seen, the zero-shot curve logged
-during pre-training); nothing here trains or imports torch. It also names the
-rows' vocabulary (objectives, stages, measures) in report order. The lexical reference is a
-row of start ``lexical``, objective ``bm25``. A study with DupMAE cells gets a section of its
-own (``retromae_recipes.report_dupmae``).
+during pre-training); nothing here trains or imports torch. The rows' vocabulary
+(objectives, stages, measures) in report order, their aggregation, table and comparison live
+in ``retromae_recipes.report_rows`` (shared with the DupMAE section). The lexical reference is
+a row of start ``lexical``, objective ``bm25``. A study with DupMAE cells gets a section of
+its own (``retromae_recipes.report_dupmae``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 from retromae_ds.base.fsutil import atomic_write_text
+from retromae_recipes import report_dupmae
 from retromae_recipes.common import pyplot, save_figure
-
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "seed_strong")
-"""A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
-``dupmae`` (RetroMAE v2, docs/dupmae.md) and ``seed_strong`` (SEED-Encoder with a strong
-decoder); the pre-training objectives proper are
-``retromae_ds.modeling.objectives.OBJECTIVES``."""
-HEAD_POOLINGS = ("dupmae_bow", "dupmae")
-"""DupMAE's poolings (``retromae_ds.hf.sbert.HEAD_POOLINGS``, in report order): the ordinary
-tokens' top-k vector through the MLM head, and [CLS] concatenated with it."""
-POOLING_ORDER = ("cls", "mean", *HEAD_POOLINGS)
-"""Poolings in report order."""
-STAGES = ("zero_shot", "bm25", "ance")
-MEASURES = ("ndcg@10", "mrr@10", "recall@100")
-RERANK_MEASURES = ("rerank_map", "rerank_mrr@10")
-"""Reranking of each query's candidates (positives + BM25 negatives; ``eval.rerank``), in
-the rows of a study that asks for it."""
-NAMES = {
-    "ndcg@10": "nDCG@10",
-    "mrr@10": "MRR@10",
-    "recall@100": "Recall@100",
-    "rerank_map": "rerank MAP",
-    "rerank_mrr@10": "rerank MRR@10",
-}
-
+from retromae_recipes.report_rows import (
+    ARMS,
+    FLOOR,
+    HEAD_POOLINGS,
+    NAMES,
+    POOLING_ORDER,
+    STAGES,
+    aggregate,
+    compare,
+    report_order,
+    row_key,
+    table,
+)
 
 CLAIMS = (
     # (x, y, who says x > y, starts it applies to: () = all)
@@ -55,89 +45,6 @@ CLAIMS = (
     ("retromae", "none", "RetroMAE report: continued pre-training lifts an MLM base", ("bert",)),
 )
 """The orderings the verdicts test."""
-
-
-def row_key(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
-    """(task, start, objective, stage, pooling): what ``aggregate`` groups seeds by."""
-    return (
-        r.get("task", "scifact"),
-        r["start"],
-        r["objective"],
-        r["stage"],
-        r.get("pooling", "cls"),
-    )
-
-
-def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """mean ± std (sample std over seeds) per (task, start, objective, stage, pooling)."""
-    groups: dict[tuple[str, str, str, str, str], list[dict]] = {}
-    for r in rows:
-        groups.setdefault(row_key(r), []).append(r)
-    out = []
-    for (task, start, objective, stage, pooling), rs in groups.items():
-        agg = {
-            "task": task,
-            "start": start,
-            "objective": objective,
-            "stage": stage,
-            "pooling": pooling,
-            "n": len(rs),
-        }
-        for m in MEASURES + RERANK_MEASURES:
-            if not all(m in r["metrics"] for r in rs):
-                continue
-            xs = [r["metrics"][m] for r in rs]
-            agg[m] = statistics.fmean(xs)
-            agg[m + "_std"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
-        out.append(agg)
-    return out
-
-
-def report_order(agg: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Aggregated rows in table order: task, BM25 first, start, stage, pooling, objective."""
-    order = {o: i for i, o in enumerate(("bm25", *ARMS))}
-    stage_order = {s: i for i, s in enumerate(STAGES)}
-    pooling_order = {p: i for i, p in enumerate(POOLING_ORDER)}
-    tasks = list(dict.fromkeys(a["task"] for a in agg))
-    return sorted(
-        agg,
-        key=lambda a: (
-            tasks.index(a["task"]),
-            a["start"] != "lexical",  # the BM25 reference first
-            a["start"],
-            stage_order[a["stage"]],
-            pooling_order.get(a["pooling"], len(pooling_order)),
-            a["pooling"],
-            order[a["objective"]],
-        ),
-    )
-
-
-def _measures(agg: list[dict[str, Any]]) -> tuple[str, ...]:
-    """The retrieval measures, and the reranking ones where some row has them."""
-    rerank = tuple(m for m in RERANK_MEASURES if any(m in a for a in agg))
-    return MEASURES + rerank
-
-
-def table(agg: list[dict[str, Any]]) -> str:
-    measures = _measures(agg)
-    lines = [
-        "| task | start | objective | stage | pooling | seeds | "
-        + " | ".join(NAMES[m] for m in measures)
-        + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(measures),
-    ]
-    for a in report_order(agg):
-        if a["start"] == "lexical":
-            cells = " | ".join(f"{a[m]:.4f}" if m in a else "—" for m in measures)
-            lines.append(f"| {a['task']} | — | BM25 | — | — | — | {cells} |")
-            continue
-        cells = " | ".join(f"{a[m]:.4f} ± {a[m + '_std']:.4f}" if m in a else "—" for m in measures)
-        lines.append(
-            f"| {a['task']} | {a['start']} | {a['objective']} | {a['stage']} | {a['pooling']} "
-            f"| {a['n']} | {cells} |"
-        )
-    return "\n".join(lines)
 
 
 def pretrain_table(summaries: list[dict[str, Any]]) -> str:
@@ -336,28 +243,6 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
     return save_figure(plt, fig, path)
 
 
-FLOOR = {"ndcg@10": 0.01, "mrr@10": 0.01}
-"""Below these means a ranking measure says nothing about an encoder (a random ranking of a
-few thousand documents scores nDCG@10 ≈ 0.003): two encoders both below it are "both at the
-floor", and no ratio over a value below it is printed."""
-
-
-def compare(a: dict[str, Any], b: dict[str, Any], m: str = "ndcg@10") -> str:
-    """``higher`` / ``lower`` when the means of ``m`` (aggregated rows with ``n`` seeds and
-    ``m_std``) differ by more than two standard errors combined, else ``no clear difference``;
-    ``both at the floor`` when both means are below ``FLOOR[m]``."""
-    floor = FLOOR.get(m)
-    if floor is not None and a[m] < floor and b[m] < floor:
-        return f"both at the floor (< {floor})"
-    if min(a["n"], b["n"]) < 2:
-        return "one seed, no error estimate: no verdict"
-    diff = a[m] - b[m]
-    se = math.sqrt(a[m + "_std"] ** 2 / a["n"] + b[m + "_std"] ** 2 / b["n"])
-    if abs(diff) <= 2 * se:
-        return "no clear difference"
-    return "higher" if diff > 0 else "lower"
-
-
 def verdicts(agg: list[dict[str, Any]]) -> list[str]:
     """Plain statements of where the result agrees with the papers' orderings (``CLAIMS``),
     using a difference larger than the two standard errors combined as 'clearly'."""
@@ -422,8 +307,6 @@ def report(
             "",
         ]
     text += [*notes, "", "## Against the papers' claims", "", *[f"- {v}" for v in verdicts(agg)]]
-    from retromae_recipes import report_dupmae  # it imports this module's pieces
-
     dupmae = report_dupmae.section(agg)
     text += ["", *dupmae] if dupmae else []
     if pretraining:

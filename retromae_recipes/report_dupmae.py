@@ -2,18 +2,27 @@
 and MLM, mean ± std over seeds, in a table of its own and in verdict lines that say which way
 each comparison falls.
 
-Pure bookkeeping on the aggregated rows of ``retromae_recipes.report.aggregate`` (it calls
-``section`` when some row is a DupMAE cell); nothing here trains or imports torch. A
-fine-tuned DupMAE row with pooling ``dupmae_bow`` or ``dupmae`` is the encoder fine-tuned
-with that pooling; its ``cls`` and ``mean`` rows are the encoder fine-tuned with CLS pooling,
-as for every other objective (``retromae_recipes.study.Study.finetune_poolings``).
+Pure bookkeeping on the aggregated rows of ``retromae_recipes.report_rows.aggregate``
+(``retromae_recipes.report`` calls ``section`` when some row is a DupMAE cell); nothing here
+trains or imports torch. A fine-tuned DupMAE row with pooling ``dupmae_bow`` or ``dupmae`` is
+the encoder fine-tuned with that pooling; its ``cls`` and ``mean`` rows are the encoder
+fine-tuned with CLS pooling, as for every other objective
+(``retromae_recipes.study.Study.finetune_poolings``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from retromae_recipes.report import FLOOR, NAMES, STAGES, compare, report_order, row_key, table
+from retromae_recipes.report_rows import (
+    FLOOR,
+    NAMES,
+    STAGES,
+    compare,
+    report_order,
+    row_key,
+    table,
+)
 
 OBJECTIVES = ("mlm", "retromae", "dupmae")
 """The arms of the comparison, in report order."""

@@ -67,7 +67,8 @@ from retromae_ds.modeling.objectives import ObjectiveConfig
 from retromae_ds.pretrain import DataConfig, ModelConfig, PretrainConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, run_stage, write_json
-from retromae_recipes.report import HEAD_POOLINGS, MEASURES, report
+from retromae_recipes.report import report
+from retromae_recipes.report_rows import HEAD_POOLINGS, MEASURES
 from retromae_recipes.study_config import (
     DATA_ENV,
     DATA_NEEDED,
@@ -642,7 +643,8 @@ class Study:
 
 
 # --------------------------------------------------------------------------- command line
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``python scripts/study.py``'s options: a protocol, its data, and what to change of it."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/study")
     p.add_argument(
@@ -707,7 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write the report of the cells finished so far; train and evaluate nothing",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def config_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> StudyConfig:
+    """The protocol ``args`` choose, with the changes they give; no data folder and not both
+    ``--pretrain-inputs`` and ``--finetune-beir`` is a usage error of ``p``."""
     data = args.data or os.environ.get(DATA_ENV, "")
     if not data and not (args.pretrain_inputs and args.finetune_beir):
         p.error(
@@ -732,6 +739,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = StudyConfig(out=args.out, data=data, **overrides)
     if args.pretrain_steps is not None:
         cfg.pretrain_steps = {start: args.pretrain_steps for start in cfg.pretrain_steps}
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the study the options choose (or only report what is finished) and print its
+    report."""
+    p = parser()
+    args = p.parse_args(argv)
+    cfg = config_of(args, p)
     study = Study(cfg)
     t0 = time.perf_counter()
     rows = study.finished() if args.report_only else study.run()

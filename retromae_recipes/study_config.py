@@ -14,7 +14,7 @@ from typing import Any
 
 from retromae_ds.data.segment import SEGMENTERS
 from retromae_ds.hf.sbert import DEFAULT_BOW_TOPK
-from retromae_recipes.report import ARMS, HEAD_POOLINGS, STAGES
+from retromae_recipes.report_rows import ARMS, HEAD_POOLINGS, STAGES
 
 STARTS = ("scratch", "minilm", "bert")
 DATA_ENV = "RETROMAE_DS_DATA"
@@ -50,7 +50,7 @@ class StudyConfig:
     contrastively trained embedder), ``bert`` (an MLM base pre-trained here first, once, then
     continued by every objective: the RetroMAE report's setting, chinese-bert -> RetroMAE)."""
     objectives: list[str] = field(default_factory=lambda: list(DEFAULT_OBJECTIVES))
-    """Arms (``report.ARMS``): ``none`` (the start itself), ``mlm``, ``retromae``, ``dupmae``,
+    """Arms (``report_rows.ARMS``): ``none`` (the start itself), ``mlm``, ``retromae``, ``dupmae``,
     ``seed``, ``seed_strong``; every one continues the start with the same budget."""
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     finetune_objectives: dict[str, list[str]] = field(
