@@ -1,6 +1,12 @@
 """Ranking metrics as trec_eval (and so pytrec_eval, BEIR, ir-measures) computes them.
 
-Measures are named ``"ndcg@10"``, ``"mrr@10"``, ``"recall@100"``: ``name@k``.
+Measures are named ``"ndcg@10"``, ``"mrr@10"``, ``"recall@100"``: ``name@k``. ``MEASURES`` is
+the one registry of the names: every place that takes a measure (``retromae-ds eval
+--measures``, the evaluation during pre-training ``--eval.measures``, ``evaluate_beir``) reads
+it, so a new measure is one function of the ``Measure`` protocol and one
+``register_measure(name, function)`` call, from this module or from outside the package (in
+process, or for the command line through the ``retromae_ds.measures`` entry-point group:
+``precision = "mypkg.measures:precision_at_k"``).
 
 - **nDCG@k**: graded gain = the judged relevance level (levels <= 0 and unjudged documents
   gain 0), discount ``log2(rank + 1)`` with ranks from 1 (the first document is undiscounted),
@@ -26,20 +32,77 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Protocol
 
 Qrels = Mapping[str, Mapping[str, int]]
 Run = Mapping[str, Mapping[str, float]]
 
-MEASURES = ("ndcg", "mrr", "recall", "map")
+
+class Measure(Protocol):
+    """A ranking measure of one query: the ranked document ids (best first), the query's
+    judgments ``{doc id: level}`` and the cutoff k -> its value."""
+
+    def __call__(self, ranked: Sequence[str], judgments: Mapping[str, int], k: int, /) -> float: ...
+
+
+MEASURES: dict[str, Measure] = {}
+"""The registry: measure name (``ndcg``) -> its function; ``name@k`` names one of them at k."""
+ADDED = "retromae_ds.measures"
+"""Entry-point group of the measures other packages add (name -> a ``Measure``), registered
+when a name is not found among those already registered."""
+
 DEFAULT_MEASURES = ("ndcg@10", "mrr@10", "recall@100", "recall@1000")
+"""What ``retromae-ds eval`` reports unless ``--measures`` says otherwise."""
+TRAINING_MEASURES = ("ndcg@10", "mrr@10", "recall@100")
+"""What the evaluation during pre-training logs unless ``--eval.measures`` says otherwise."""
+
+
+def register_measure(name: str, function: Measure) -> Measure:
+    """Make ``name@k`` a measure everywhere one is named; returns ``function``. A name is
+    registered once: a second, different function under it is a ``ValueError``."""
+    key = name.strip().lower()
+    if not key.isidentifier():
+        raise ValueError(f"measure name {name!r}: expected a word such as 'ndcg' (used as name@k)")
+    if MEASURES.get(key, function) is not function:
+        raise ValueError(f"measure {key!r} is already registered ({MEASURES[key]!r})")
+    MEASURES[key] = function
+    return function
 
 
 def parse_measure(name: str) -> tuple[str, int]:
-    """``"ndcg@10"`` -> ``("ndcg", 10)``; a clear error for anything else."""
+    """``"ndcg@10"`` -> ``("ndcg", 10)``; one line listing the registered measures for
+    anything else."""
     kind, sep, cutoff = name.strip().lower().partition("@")
+    if kind not in MEASURES:
+        _register_added()
     if not sep or kind not in MEASURES or not cutoff.isdigit() or int(cutoff) < 1:
-        raise ValueError(f"unknown measure {name!r}; expected one of {MEASURES} as name@k")
+        known = ", ".join(f"{m}@k" for m in MEASURES)
+        raise ValueError(f"unknown measure {name!r}; expected one of {known} (k >= 1)")
     return kind, int(cutoff)
+
+
+def _register_added() -> None:
+    """The measures of the ``ADDED`` entry points not registered yet."""
+    for point in entry_points(group=ADDED):
+        if point.name.strip().lower() not in MEASURES:
+            register_measure(point.name, point.load())
+
+
+def check_measures(names: Sequence[str], where: str) -> list[str]:
+    """The configured measure list ``names`` in canonical spelling (``nDCG@10`` ->
+    ``ndcg@10``), checked where the config is built; one line naming ``where`` (the option)
+    for an empty list or an unknown name."""
+    if isinstance(names, str) or not names:
+        raise ValueError(f"{where}: expected a list of measures name@k, got {names!r}")
+    canonical = []
+    for name in names:
+        try:
+            kind, k = parse_measure(str(name))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        canonical.append(f"{kind}@{k}")
+    return canonical
 
 
 def max_cutoff(measures: Iterable[str]) -> int:
@@ -103,7 +166,10 @@ def map_at_k(ranked: Sequence[str], judgments: Mapping[str, int], k: int) -> flo
     return total / len(relevant)
 
 
-_FUNCTIONS = {"ndcg": ndcg_at_k, "mrr": mrr_at_k, "recall": recall_at_k, "map": map_at_k}
+register_measure("ndcg", ndcg_at_k)
+register_measure("mrr", mrr_at_k)
+register_measure("recall", recall_at_k)
+register_measure("map", map_at_k)
 
 
 def per_query_metrics(
@@ -123,7 +189,7 @@ def per_query_metrics(
         if skip_queries_without_relevant and not _relevant(judgments):
             continue
         ranked = ranking.get(qid, ())
-        results[qid] = {name: _FUNCTIONS[kind](ranked, judgments, k) for name, kind, k in parsed}
+        results[qid] = {name: MEASURES[kind](ranked, judgments, k) for name, kind, k in parsed}
     return results
 
 

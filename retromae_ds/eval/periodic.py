@@ -5,8 +5,10 @@ N``). ``PeriodicEval`` loads the BEIR split once, draws a fixed sample of it (``
 judged queries, their judged documents plus other documents up to ``max_docs``; the sample
 depends only on ``sample_seed``, so every run — every objective, every seed — is measured on
 the same queries and documents), and, called with the current encoder, encodes the sample once
-and scores CLS and mean pooling (or DupMAE's, ``retromae_ds.modeling.bow``) side by side: nDCG@10, MRR@10 and Recall@100 by exact
-inner-product search, the same code as ``retromae-ds eval`` (``evaluate_embeddings``).
+and scores CLS and mean pooling (or DupMAE's, ``retromae_ds.modeling.bow``) side by side: the
+measures of ``--eval.measures`` (default nDCG@10, MRR@10 and Recall@100; any measure of
+``retromae_ds.eval.metrics.MEASURES``) by exact inner-product search, the same code as
+``retromae-ds eval`` (``evaluate_embeddings``).
 
 It never disturbs the training it observes: the model is put in eval mode and back, no
 gradient is kept, and the random-number generators are forked and restored, so a run with
@@ -26,9 +28,8 @@ from typing import Any
 import torch
 
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
+from retromae_ds.eval.metrics import TRAINING_MEASURES, check_measures
 from retromae_ds.hf import sbert
-
-MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 
 
 @dataclass(kw_only=True)
@@ -54,6 +55,9 @@ class PeriodicEvalConfig:
     """Sentence embeddings scored, from one encoding pass: cls, mean, dupmae_bow, dupmae
     (the DupMAE poolings go through the MLM head, any objective's; their vectors have |V|
     entries: mind ``max_docs``)."""
+    measures: list[str] = field(default_factory=lambda: list(TRAINING_MEASURES))
+    """Ranking measures logged per pooling, each name@k (as retromae-ds eval --measures); the
+    first is the one the trainer's progress line shows."""
     bow_topk: int = sbert.DEFAULT_BOW_TOPK
     """DupMAE poolings: entries of the bag-of-words vector kept (0: all)."""
     max_length: int = 128
@@ -69,6 +73,7 @@ class PeriodicEvalConfig:
             raise ValueError(
                 f"eval.poolings must be among {', '.join(sbert.POOLINGS)}, got {self.poolings!r}"
             )
+        self.measures = check_measures(self.measures, "eval.measures")
         if self.bow_topk < 0:
             raise ValueError(f"eval.bow_topk must be >= 0, got {self.bow_topk}")
         if self.every < 0 or self.max_queries < 0 or self.max_docs < 0:
@@ -153,7 +158,9 @@ class PeriodicEval:
             queries = encoder.encode_pools(self.data.query_texts, cfg.poolings)
         row: dict[str, float] = {}
         for pooling in cfg.poolings:
-            means, _ = evaluate_embeddings(self.data, queries[pooling], corpus[pooling], MEASURES)
+            means, _ = evaluate_embeddings(
+                self.data, queries[pooling], corpus[pooling], cfg.measures
+            )
             for measure, value in means.items():
                 row[f"eval/{self.name}/{pooling}/{measure}"] = float(value)
         row["eval_seconds"] = time.perf_counter() - t

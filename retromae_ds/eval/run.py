@@ -2,12 +2,13 @@
 
 ``evaluate_beir(model_dir_or_encoder, beir_dir, split="test")`` encodes the corpus and the
 split's queries, searches the top ``max(k)`` documents per query by exact inner product
-(``retromae_ds.search.exact``), computes nDCG@10, MRR@10, Recall@100/1000 (``retromae_ds.eval.metrics``),
-prints a small table and optionally writes everything (means, per-query values, settings,
-timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
+(``retromae_ds.search.exact``), computes the measures asked (default nDCG@10, MRR@10,
+Recall@100/1000; any measure registered in ``retromae_ds.eval.metrics``), prints a small table
+and optionally writes everything (means, per-query values, settings, timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
     retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean|dupmae|dupmae_bow] [--normalize]
+                     [--measures ndcg@10 recall@100 ...]
                      [--rerank [--rerank_negatives N | --candidates FILE]] [--ignore_identical_ids false]
 
 A model with separate towers (a fine-tuning run with ``--model.shared false``, one of its
@@ -31,7 +32,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,13 @@ import torch
 from retromae_ds.base.config import flag
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
-from retromae_ds.eval.metrics import DEFAULT_MEASURES, Run, evaluate_run, max_cutoff
+from retromae_ds.eval.metrics import (
+    DEFAULT_MEASURES,
+    Run,
+    check_measures,
+    evaluate_run,
+    max_cutoff,
+)
 from retromae_ds.eval.rerank import (
     DEFAULT_NEGATIVES,
     bm25_candidates,
@@ -206,7 +213,8 @@ class ScoreSettings:
     """How an evaluation turns vectors into metrics (``score``)."""
 
     measures: Sequence[str] = DEFAULT_MEASURES
-    """Metric names ``name@k``; the search depth is the largest k."""
+    """Metric names ``name@k`` (``retromae_ds.eval.metrics.MEASURES``), the result's keys as
+    given; the search depth is the largest k."""
     metric: Metric = "ip"
     backend: Backend = "auto"
     ignore_identical_ids: bool = True
@@ -216,6 +224,9 @@ class ScoreSettings:
     or the JSONL lists of ``candidates``)."""
     rerank_negatives: int = DEFAULT_NEGATIVES
     candidates: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        check_measures(self.measures, "measures")  # before anything is loaded or encoded
 
 
 def split_settings(settings: dict[str, Any]) -> tuple[EncodeSettings, ScoreSettings]:
@@ -527,6 +538,13 @@ class EvalConfig:
     ignore_identical_ids: bool = True
     """Drop a retrieved document whose id is its query's, as BEIR does (ArguAna and Quora hold
     their queries in the corpus); what it drops is said in one line and recorded."""
+    measures: list[str] = field(default_factory=lambda: list(DEFAULT_MEASURES))
+    """Ranking measures reported, each name@k: ndcg, mrr, recall, map (or any measure
+    registered with retromae_ds.eval.metrics.register_measure); the search depth is the largest
+    k."""
+
+    def __post_init__(self) -> None:
+        self.measures = check_measures(self.measures, "--measures")
 
 
 def eval_command(cfg: EvalConfig) -> int:

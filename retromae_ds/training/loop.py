@@ -607,7 +607,9 @@ class Trainer:
             return
         row = {"step": step, **seen, **hooks.evaluate()}
         self.logger.log(row, scope="eval")
-        scores = [f"{k.split('/', 2)[-1]} {v:.4f}" for k, v in row.items() if "ndcg@10" in k]
+        # the first of eval.measures, per pooling (keys: eval/NAME/POOLING/MEASURE)
+        lead = "/" + next((k for k in row if k.startswith("eval/")), "/").rsplit("/", 1)[-1]
+        scores = [f"{k.split('/', 2)[-1]} {v:.4f}" for k, v in row.items() if k.endswith(lead)]
         self.note(f"eval at step {step}: {', '.join(scores)}")
 
 
