@@ -71,3 +71,17 @@ class LargestTensor(TorchDispatchMode):
                 )
                 self.largest = max(self.largest, size)
         return out
+
+
+def tiny_bert_dir(out, tokenizer_dir):
+    """A random small BERT (``small_config``, 64 positions, seed 0) with the tokenizer of
+    ``tokenizer_dir``, saved as a Hugging Face folder at ``out``: the encoder the eval tests
+    score."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    config = BertConfig(**small_config(len(tokenizer), max_position_embeddings=64))
+    BertModel(config).save_pretrained(out)
+    return out

@@ -15,7 +15,7 @@ from retromae_ds.eval.beir import load_beir, load_corpus, load_qrels, load_queri
 from retromae_ds.eval.encode import HFEncoder, encode_texts
 from retromae_ds.eval.run import evaluate_beir, retrieve
 
-from helpers_model import small_config
+from helpers_model import tiny_bert_dir
 from synthetic import synthetic_texts
 
 VOCAB = ["apple", "banana", "cherry", "grape", "lemon", "mango"]
@@ -165,15 +165,7 @@ def test_encode_texts_checks_the_encoder():
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    out = tmp_path_factory.mktemp("tiny_bert")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
-    config = BertConfig(**small_config(len(tokenizer), max_position_embeddings=64))
-    BertModel(config).save_pretrained(out)
-    return out
+    return tiny_bert_dir(tmp_path_factory.mktemp("tiny_bert"), tokenizer_dir)
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])

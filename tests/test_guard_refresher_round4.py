@@ -7,18 +7,14 @@ absolute."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers_disk import small_disk
 
 from retromae_ds.ance import data as ance_data
 from retromae_ds.ance import handoff
@@ -279,28 +275,6 @@ def test_the_trainer_writes_the_refreshers_folders_absolute(tmp_path, monkeypatc
 
 
 # --------------------------------------------------------------------------- read-only
-@contextlib.contextmanager
-def _read_only_disk() -> Iterator[Path]:
-    """A small tmpfs (writable while ``yield``'s caller fills it) remounted read-only by
-    ``lock()``: (folder, lock). Needs root, as ``helpers_disk.small_disk``."""
-    if os.geteuid() != 0:
-        pytest.skip("a read-only mount needs root")
-    folder = Path(tempfile.mkdtemp(prefix="retromae-ds-ro-"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0777", "tmpfs", str(folder)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        folder.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 def test_a_read_only_negatives_folder_is_said_to_be_read_only(assets, tmp_path, capsys):
     """``negatives/`` on a file system mounted read-only after the trainer published v0:
     the refresher's one line names the folder as not writable (read-only) and says to make
@@ -308,7 +282,7 @@ def test_a_read_only_negatives_folder_is_said_to_be_read_only(assets, tmp_path, 
     from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.cli import main
 
-    with _read_only_disk() as disk:
+    with small_disk("16m") as disk:
         run = tmp_path / "run"
         run.mkdir()
         (run / "negatives").symlink_to(disk)

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from retromae_ds.base.options import build_config
 from retromae_ds.cli import main as cli_main
@@ -23,7 +22,7 @@ from retromae_ds.eval.encode import HFEncoder
 from retromae_ds.eval.periodic import PeriodicEval, PeriodicEvalConfig
 from retromae_ds.eval.run import EvalConfig
 
-from helpers_model import small_config
+from helpers_model import tiny_bert_dir
 from synthetic import synthetic_texts
 
 CHOSEN = ["ndcg@3", "map@5", "recall@2", "mrr@100"]
@@ -53,16 +52,7 @@ def write_beir(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    out = tmp_path_factory.mktemp("tiny_bert")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
-    BertModel(
-        BertConfig(**small_config(len(tokenizer), max_position_embeddings=64))
-    ).save_pretrained(out)
-    return out
+    return tiny_bert_dir(tmp_path_factory.mktemp("tiny_bert"), tokenizer_dir)
 
 
 def eval_argv(model: Path, beir: Path, *more: str) -> list[str]:
