@@ -669,17 +669,19 @@ def run_job(run: Callable[[Any], Any], cfg: Any, prog: str) -> int:
     """A training job's run function as ``retromae-ds`` calls it: exit EXIT_REQUEUE after a
     stop signal (the checkpoint is written), one line naming the newest checkpoint on Ctrl-C
     (``interrupted``), 0 when it finishes. Bad input and a failed run (RunFailed) are
-    reported in one line by the front door (``cli.main``)."""
+    reported in one line by the front door (``cli.main``). A process started for the command
+    ends as soon as the run has closed what it wrote (``end_process``): a finished or
+    requeued job is not held up by the interpreter's finalization either."""
     try:
         run(cfg)
+        status = 0
     except StopRequested:
-        return EXIT_REQUEUE
+        status = EXIT_REQUEUE
     except KeyboardInterrupt:
         status = interrupted(prog, cfg.run_dir)
-        if _started_for_this_command():
-            end_process(status)
-        return status
-    return 0
+    if _started_for_this_command():
+        end_process(status)
+    return status
 
 
 def _started_for_this_command() -> bool:
@@ -695,11 +697,12 @@ def _started_for_this_command() -> bool:
 
 def end_process(status: int) -> NoReturn:
     """Exit with ``status`` now, after flushing stdout and stderr, without the interpreter's
-    finalization. After Ctrl-C everything the run writes is closed (the log, the lock, the
-    refresher) and its one line printed; what finalization would still do is collect the
-    whole heap of torch, DeepSpeed and transformers module by module and tear down the
-    process groups: about 5 s on an idle machine, 10-20 s under load, and once more than
-    120 s (issue 55 item 8), a terminal left hanging after the message."""
+    finalization. When the run returns (finished, requeued after a stop signal, or after
+    Ctrl-C and its one line) everything it writes is closed (the metrics log, TensorBoard,
+    the lock, the refresher); what finalization would still do is collect the whole heap of
+    torch, DeepSpeed and transformers module by module and tear down the process groups:
+    about 2 s for a tiny run on an idle machine, 5 s after a real one, 10-20 s under load,
+    and once more than 120 s (issue 55 item 8), a terminal left hanging after the message."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or detached
             stream.flush()
