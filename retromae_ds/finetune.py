@@ -238,9 +238,9 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     spec, temperature = cfg.model.resolve(init_dir)
     # the model first: an init that cannot serve the pooling (no MLM head) or without its own
     # tokenizer is refused before anything is tokenized or mined into the run
-    special = SpecialIds.from_fingerprint(ance_data.tokenizer_fingerprint(init_dir))
-    model = _build_model(cfg, init_dir, spec, temperature, special)
-    ts = _prepare_data(cfg, layout, init_dir, dist)
+    tokenizer = ance_data.tokenizer_fingerprint(init_dir)
+    model = _build_model(cfg, init_dir, spec, temperature, SpecialIds.from_fingerprint(tokenizer))
+    ts = _prepare_data(cfg, layout, init_dir, tokenizer, dist)
     sampler = ResumableDistributedSampler(ts.num_queries, dist.world_size, dist.rank, seed=cfg.seed)
     batch_size = cfg.micro_batch_size
     if len(sampler) < batch_size:
@@ -305,9 +305,14 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
 
 
 def _prepare_data(
-    cfg: FinetuneConfig, layout: RunLayout, init_dir: Path, dist: eng.DistInfo
+    cfg: FinetuneConfig,
+    layout: RunLayout,
+    init_dir: Path,
+    tokenizer: dict[str, Any],
+    dist: eng.DistInfo,
 ) -> ance_data.TrainingSet:
-    """Rank 0 tokenizes the BEIR split with the init's tokenizer (once: ``data.prepared``
+    """Rank 0 tokenizes the BEIR split with the init's tokenizer (``tokenizer``: its
+    fingerprint) (once: ``data.prepared``
     or ``RUN/data``) and publishes the BM25 negatives as v0 when no version exists; every
     rank then loads the training set."""
     prepared = Path(cfg.data.prepared or layout.data)
@@ -323,6 +328,7 @@ def _prepare_data(
             p_max_len=cfg.data.p_max_len,
             workers=cfg.data.workers,
             progress=cfg.progress,
+            tokenizer=tokenizer,
         )
     eng.barrier()
     ts = ance_data.load(prepared)

@@ -28,9 +28,10 @@ files, else tokenized again: a fixed input file and a rerun are enough.
 against its manifest (sha256, and token ids against the vocabulary) before a row is read, so
 the trainer never trains on, and a refresher never encodes nor caches (its embedding cache is
 keyed by the manifest's sha256), bytes that changed since tokenization; a bad shard is one
-line naming it and saying how to make the folder again. Cost, per start of each process: 0.03 s
-for SciFact's prepared corpus and queries (9 MB, MiniLM tokens at 256), about 1.7 s per GB
-and core here (sha256 and the id range; shards are read in up to 8 threads).
+line naming it and saying how to make the folder again. Cost, per start of each process
+(``benchmarks/bench_data_check.py``, docs/benchmarks.md): 8 ms of a 14 ms ``load`` for
+SciFact's prepared corpus and queries (9 MB), about 0.6 s per GB on 2 cores here (sha256 and
+the id range; shards are read in up to 8 threads).
 """
 
 from __future__ import annotations
@@ -148,10 +149,12 @@ def prepare(
     p_max_len: int,
     workers: int = 1,
     progress: bool = True,
+    tokenizer: dict[str, Any] | None = None,
 ) -> Path:
     """Tokenize the corpus and the split's queries into ``out`` (skipped when already done:
     ``READY``). ``tokenizer_dir`` (the initial encoder's folder) must hold the model's own
-    tokenizer (``load_tokenizer_checked``), else a ``ValueError`` naming it. An unfinished
+    tokenizer (``load_tokenizer_checked``), else a ``ValueError`` naming it; ``tokenizer``,
+    its ``tokenizer_fingerprint`` when the caller has it already. An unfinished
     ``out`` (no ``READY``) is resumed when it was started with these settings and inputs, else
     started over."""
     from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
@@ -161,7 +164,7 @@ def prepare(
     settings = {
         "beir": str(Path(beir_dir).resolve()),
         "split": split,
-        "tokenizer": tokenizer_fingerprint(tokenizer_dir),
+        "tokenizer": tokenizer or tokenizer_fingerprint(tokenizer_dir),
         "q_max_len": q_max_len,
         "p_max_len": p_max_len,
     }

@@ -31,7 +31,13 @@ from typing import Any, NoReturn, Protocol
 import torch
 
 from retromae_ds.base import faults
-from retromae_ds.base.config import apply_renamed, flat_defaults, resume_may_change, to_dict
+from retromae_ds.base.config import (
+    apply_renamed,
+    flat_defaults,
+    load_file,
+    resume_may_change,
+    to_dict,
+)
 from retromae_ds.base.errors import (
     JOB_ERRORS,
     DiskFull,
@@ -78,12 +84,9 @@ def read_saved_config(path: Path) -> dict[str, Any]:
     that cannot be read or parsed (truncated, not UTF-8, not an object) is a ValueError
     naming the file."""
     try:
-        data = json.loads(path.read_bytes())
+        return load_file(path)  # the one config reader: line and column, UTF-8, a mapping
     except ValueError as exc:
         raise ValueError(f"{path}: unreadable saved config ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: unreadable saved config (not a JSON object)")
-    return data
 
 
 def check_resume_config(cfg: RunConfig, saved: Path) -> None:
