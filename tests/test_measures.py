@@ -9,11 +9,11 @@ anything loads; a measure registered from outside the library, in process or thr
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from helpers_plugins import install_package
 
 from retromae_ds.base.options import build_config
 from retromae_ds.cli import main as cli_main
@@ -161,7 +161,7 @@ def precision_at_k(ranked: Sequence[str], judgments: Mapping[str, int], k: int, 
 @pytest.fixture
 def registry(monkeypatch):
     """The registry as it is, restored after the test (registrations do not leak)."""
-    monkeypatch.setattr(metrics, "MEASURES", dict(metrics.MEASURES))
+    monkeypatch.setattr(metrics, "MEASURES", metrics.MEASURES.copy())
     return metrics.MEASURES
 
 
@@ -192,24 +192,17 @@ def test_a_measure_registered_from_outside_is_usable_by_eval(registry, tiny_mode
 def test_a_package_adds_a_measure_through_its_entry_point(registry, monkeypatch, tmp_path):
     """An installed package (a dist-info with an entry point, on ``sys.path``) names a measure
     that ``eval --measures`` then accepts: nothing in the library or the test registers it."""
-    site = tmp_path / "site"
-    (site / "extra_measures.py").parent.mkdir()
-    (site / "extra_measures.py").write_text(
-        textwrap.dedent(
-            """
-            def hits_at_k(ranked, judgments, k, /):
-                return float(sum(1 for doc in ranked[:k] if judgments.get(doc, 0) > 0))
-            """
-        )
-    )
-    info = site / "extra_measures-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: extra-measures\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[retromae_ds.measures]\nhits = extra_measures:hits_at_k\n"
+    site = install_package(
+        tmp_path / "site",
+        "extra_measures",
+        """
+        def hits_at_k(ranked, judgments, k, /):
+            return float(sum(1 for doc in ranked[:k] if judgments.get(doc, 0) > 0))
+        """,
+        {"retromae_ds.measures": {"hits": "extra_measures:hits_at_k"}},
     )
     monkeypatch.syspath_prepend(str(site))
-    assert "hits" not in registry
+    assert "hits" not in registry.names()
     assert EvalConfig(model="m", beir="b", measures=["hits@10"]).measures == ["hits@10"]
     mean, _ = metrics.evaluate_run({"q": {"a": 1, "b": 1}}, {"q": {"a": 2.0, "c": 1.0}}, ["hits@2"])
     assert mean == {"hits@2": 1.0}

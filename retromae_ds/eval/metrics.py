@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from importlib.metadata import entry_points
 from typing import Protocol
+
+from retromae_ds.base.registry import Registry
 
 Qrels = Mapping[str, Mapping[str, int]]
 Run = Mapping[str, Mapping[str, float]]
@@ -46,11 +47,10 @@ class Measure(Protocol):
     def __call__(self, ranked: Sequence[str], judgments: Mapping[str, int], k: int, /) -> float: ...
 
 
-MEASURES: dict[str, Measure] = {}
-"""The registry: measure name (``ndcg``) -> its function; ``name@k`` names one of them at k."""
-ADDED = "retromae_ds.measures"
-"""Entry-point group of the measures other packages add (name -> a ``Measure``), registered
-when a name is not found among those already registered."""
+MEASURES: Registry[Measure] = Registry("measure", "retromae_ds.measures")
+"""The registry: measure name (``ndcg``) -> its function; ``name@k`` names one of them at k.
+Other packages add measures through its entry-point group, ``retromae_ds.measures``."""
+ADDED = MEASURES.group
 
 DEFAULT_MEASURES = ("ndcg@10", "mrr@10", "recall@100", "recall@1000")
 """What ``retromae-ds eval`` reports unless ``--measures`` says otherwise."""
@@ -61,32 +61,19 @@ TRAINING_MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 def register_measure(name: str, function: Measure) -> Measure:
     """Make ``name@k`` a measure everywhere one is named; returns ``function``. A name is
     registered once: a second, different function under it is a ``ValueError``."""
-    key = name.strip().lower()
-    if not key.isidentifier():
+    if not name.strip().isidentifier():
         raise ValueError(f"measure name {name!r}: expected a word such as 'ndcg' (used as name@k)")
-    if MEASURES.get(key, function) is not function:
-        raise ValueError(f"measure {key!r} is already registered ({MEASURES[key]!r})")
-    MEASURES[key] = function
-    return function
+    return MEASURES.register(name, function)
 
 
 def parse_measure(name: str) -> tuple[str, int]:
     """``"ndcg@10"`` -> ``("ndcg", 10)``; one line listing the registered measures for
     anything else."""
     kind, sep, cutoff = name.strip().lower().partition("@")
-    if kind not in MEASURES:
-        _register_added()
     if not sep or kind not in MEASURES or not cutoff.isdigit() or int(cutoff) < 1:
         known = ", ".join(f"{m}@k" for m in MEASURES)
         raise ValueError(f"unknown measure {name!r}; expected one of {known} (k >= 1)")
     return kind, int(cutoff)
-
-
-def _register_added() -> None:
-    """The measures of the ``ADDED`` entry points not registered yet."""
-    for point in entry_points(group=ADDED):
-        if point.name.strip().lower() not in MEASURES:
-            register_measure(point.name, point.load())
 
 
 def check_measures(names: Sequence[str], where: str) -> list[str]:
