@@ -31,7 +31,7 @@ from retromae_ds.data.dataset import SPECIAL_TOKENS, ShardDataset
 from retromae_ds.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
 from retromae_ds.eval.periodic import PeriodicEvalConfig
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
-from retromae_ds.modeling.objectives import ObjectiveConfig, PretrainModel
+from retromae_ds.modeling.objectives import OBJECTIVES, ObjectiveConfig, PretrainModel
 from retromae_ds.modeling.positions import usable_positions
 from retromae_ds.training.config import RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
@@ -142,7 +142,6 @@ def _train(cfg: PretrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[s
     torch.manual_seed(cfg.seed)
     data, special, max_length, collator, sampler, loader = _data_pipeline(cfg, dist)
     manifest = data.manifest
-    has_decoder = collator.decoder
     steps_per_epoch = max(1, len(sampler) // (cfg.micro_batch_size * cfg.grad_accum))
     max_steps = steps_for(cfg, steps_per_epoch)
 
@@ -170,18 +169,14 @@ def _train(cfg: PretrainConfig, stop: StopSignals, dist: eng.DistInfo) -> dict[s
         tokenizer.model_max_length = usable_positions(encoder)
         tokenizer.save_pretrained(str(staging / ENCODER))
 
-    metrics = (
-        ("loss", "mlm_loss", "mlm_accuracy")
-        + (("decoder_loss", "decoder_accuracy") if has_decoder else ())
-        + (("bow_loss", "bow_recall") if cfg.model.objective.name == "dupmae" else ())
-    )
+    metrics = ("loss", "mlm_loss", "mlm_accuracy", *model.task.metrics)
     evaluate = _periodic_eval(cfg, trainer, model, tokenizer_dir) if cfg.eval.enabled else None
     hooks = Hooks(
         write_models=write_models,
         metrics=metrics,
         counts=_token_counts,
         consumed=lambda batch: len(batch["sample_index"]),
-        marker=lambda: {"objective": cfg.model.objective.name},
+        marker=model.task.identity,
         evaluate=evaluate,
         eval_every=cfg.eval.every,
     )
@@ -203,7 +198,7 @@ def _data_pipeline(cfg: PretrainConfig, dist: eng.DistInfo):
         cfg.masking,
         max_length,
         seed=cfg.seed,
-        decoder=cfg.model.objective.name != "mlm",
+        decoder=OBJECTIVES[cfg.model.objective.name].decoder_inputs,
         pack=cfg.data.packing,
     )
     if cfg.data.length_grouping:

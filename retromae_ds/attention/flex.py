@@ -24,6 +24,9 @@ CPU). On CUDA it runs compiled, forward and backward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,74 +37,100 @@ from retromae_ds.base.hashing import MASK32, mix32, threshold, two_stream_row_ha
 BLOCK = 128
 
 
+@dataclass(frozen=True)
+class FlexRule:
+    """One spec type's rule for FlexAttention: its ``mask_mod`` for padded rows and for
+    packed rows, and its block visibility for padded rows (packed rows share
+    ``_packed_blocks``). ``FLEX_RULES`` maps the spec type to it: a new decoder rule adds one
+    entry here, and nothing else in this module changes."""
+
+    mask_mod: Callable[[Any, int, torch.device], Callable]
+    packed_mask_mod: Callable[[Any, int, torch.device], Callable]
+    blocks: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
 def mask_mod_for(spec: MaskSpec, L: int, device: torch.device):
     """The spec's rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool``."""
+    rule = flex_rule(spec)
     if getattr(spec, "packing", None) is not None:
-        return _packed_mask_mod(spec, L, device)
-    lengths = spec.lengths_B.to(device).long()
-    if isinstance(spec, TwoStreamSpec):
-        if spec.word_ids_BL.shape[1] != L:
-            raise ValueError(
-                f"spec covers {spec.word_ids_BL.shape[1]} positions, attention has {L}"
-            )
-        row_hash = two_stream_row_hash(spec.seeds_B.to(device), L)
-        words = spec.word_ids_BL.to(device).long().clamp_min(0)
-        # The threshold travels as a tensor, like every other input of the rule, not as a
-        # Python int: on CUDA a changed int closure becomes a kernel argument once Dynamo
-        # makes it dynamic, and ratios >= 0.5 (thresholds >= 2**31) then kept the wrong keys
-        # (found by scripts/gpu_check.sh on an H200: flex vs reference, ratios 0.5 and 0.7).
-        cut = torch.tensor(threshold(spec.ratio), device=device, dtype=torch.long)
+        return rule.packed_mask_mod(spec, L, device)
+    return rule.mask_mod(spec, L, device)
 
-        def two_stream(b, h, q_idx, kv_idx):
-            keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
-            return (kv_idx == 0) | ((kv_idx < lengths[b]) & (kv_idx != q_idx) & keep)
 
-        return two_stream
-    if isinstance(spec, WindowSpec):
-        window = spec.window
-
-        def causal_window(b, h, q_idx, kv_idx):
-            band = kv_idx <= q_idx
-            if window is not None:
-                band = band & (kv_idx > q_idx - window)
-            return (kv_idx == 0) | ((kv_idx < lengths[b]) & band)
-
-        return causal_window
+def flex_rule(spec: MaskSpec) -> FlexRule:
+    """The ``FLEX_RULES`` entry of ``spec``'s type (or of a base class); TypeError for none."""
+    for kind in type(spec).__mro__:
+        if kind in FLEX_RULES:
+            return FLEX_RULES[kind]
     raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
 
 
-def _packed_mask_mod(spec: MaskSpec, L: int, device: torch.device):
+def _checked_words(spec: TwoStreamSpec, L: int, device: torch.device) -> torch.Tensor:
+    if spec.word_ids_BL.shape[1] != L:
+        raise ValueError(f"spec covers {spec.word_ids_BL.shape[1]} positions, attention has {L}")
+    return spec.word_ids_BL.to(device).long().clamp_min(0)
+
+
+def _two_stream_mask_mod(spec: TwoStreamSpec, L: int, device: torch.device):
+    lengths = spec.lengths_B.to(device).long()
+    words = _checked_words(spec, L, device)
+    row_hash = two_stream_row_hash(spec.seeds_B.to(device), L)
+    # The threshold travels as a tensor, like every other input of the rule, not as a
+    # Python int: on CUDA a changed int closure becomes a kernel argument once Dynamo
+    # makes it dynamic, and ratios >= 0.5 (thresholds >= 2**31) then kept the wrong keys
+    # (found by scripts/gpu_check.sh on an H200: flex vs reference, ratios 0.5 and 0.7).
+    cut = torch.tensor(threshold(spec.ratio), device=device, dtype=torch.long)
+
+    def two_stream(b, h, q_idx, kv_idx):
+        keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
+        return (kv_idx == 0) | ((kv_idx < lengths[b]) & (kv_idx != q_idx) & keep)
+
+    return two_stream
+
+
+def _window_mask_mod(spec: WindowSpec, L: int, device: torch.device):
+    lengths = spec.lengths_B.to(device).long()
+    window = spec.window
+
+    def causal_window(b, h, q_idx, kv_idx):
+        band = kv_idx <= q_idx
+        if window is not None:
+            band = band & (kv_idx > q_idx - window)
+        return (kv_idx == 0) | ((kv_idx < lengths[b]) & band)
+
+    return causal_window
+
+
+def _packed_two_stream_mask_mod(spec: TwoStreamSpec, L: int, device: torch.device):
     """Packed rows: each document's own rule (``retromae_ds.attention.packing``), with the
     key every query sees at its document's first position instead of position 0."""
     packing = spec.packing.to(device)
     docs, starts = packing.doc_ids_BL.long(), packing.starts()
-    if isinstance(spec, TwoStreamSpec):
-        if spec.word_ids_BL.shape[1] != L:
-            raise ValueError(
-                f"spec covers {spec.word_ids_BL.shape[1]} positions, attention has {L}"
-            )
-        row_hash = query_hash(spec.seeds_B.to(device), L, packing)
-        words = spec.word_ids_BL.to(device).long().clamp_min(0)
-        cut = torch.tensor(threshold(spec.ratio), device=device, dtype=torch.long)
+    words = _checked_words(spec, L, device)
+    row_hash = query_hash(spec.seeds_B.to(device), L, packing)
+    cut = torch.tensor(threshold(spec.ratio), device=device, dtype=torch.long)
 
-        def packed_two_stream(b, h, q_idx, kv_idx):
-            keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
-            same = (docs[b, kv_idx] == docs[b, q_idx]) & (docs[b, kv_idx] >= 0)
-            return (kv_idx == starts[b, q_idx]) | (same & (kv_idx != q_idx) & keep)
+    def packed_two_stream(b, h, q_idx, kv_idx):
+        keep = mix32((row_hash[b, q_idx] ^ words[b, kv_idx]) & MASK32) >= cut
+        same = (docs[b, kv_idx] == docs[b, q_idx]) & (docs[b, kv_idx] >= 0)
+        return (kv_idx == starts[b, q_idx]) | (same & (kv_idx != q_idx) & keep)
 
-        return packed_two_stream
-    if isinstance(spec, WindowSpec):
-        window = spec.window
+    return packed_two_stream
 
-        def packed_window(b, h, q_idx, kv_idx):
-            band = kv_idx <= q_idx
-            if window is not None:
-                band = band & (kv_idx > q_idx - window)
-            same = (docs[b, kv_idx] == docs[b, q_idx]) & (docs[b, kv_idx] >= 0)
-            return (kv_idx == starts[b, q_idx]) | (same & band)
 
-        return packed_window
-    raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
+def _packed_window_mask_mod(spec: WindowSpec, L: int, device: torch.device):
+    packing = spec.packing.to(device)
+    docs, starts = packing.doc_ids_BL.long(), packing.starts()
+    window = spec.window
+
+    def packed_window(b, h, q_idx, kv_idx):
+        band = kv_idx <= q_idx
+        if window is not None:
+            band = band & (kv_idx > q_idx - window)
+        same = (docs[b, kv_idx] == docs[b, q_idx]) & (docs[b, kv_idx] >= 0)
+        return (kv_idx == starts[b, q_idx]) | (same & band)
+
+    return packed_window
 
 
 def _packed_blocks(spec: MaskSpec, L: int, device: torch.device, block: int) -> torch.Tensor:
@@ -126,9 +155,8 @@ def block_visibility(
     """(any, full): B×nQ×nK booleans: does block (q-block, k-block) hold a visible pair, and
     are all its pairs visible. ``any`` is a superset of the true coverage; ``full`` is exact
     or conservative (False), so the kernel applies ``mask_mod`` wherever it is unsure."""
+    rule = flex_rule(spec)
     if getattr(spec, "packing", None) is not None:
-        if not isinstance(spec, TwoStreamSpec | WindowSpec):
-            raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
         any_ = _packed_blocks(spec, L, device, block)
         return any_, torch.zeros_like(any_)
     lengths = spec.lengths_B.to(device).long().view(-1, 1, 1)
@@ -137,25 +165,35 @@ def block_visibility(
     kb = torch.arange(n, device=device).view(1, 1, n)
     q_first, q_last = qb * block, torch.clamp_max(qb * block + block - 1, L - 1)
     k_first, k_last = kb * block, torch.clamp_max(kb * block + block - 1, L - 1)
-    last_real = lengths - 1  # key positions 1..last_real are real tokens
-    if isinstance(spec, TwoStreamSpec):
-        any_ = (kb == 0) | (k_first <= last_real)
-        full = torch.zeros_like(any_)  # the diagonal and the hashed words are never all kept
-    elif isinstance(spec, WindowSpec):
-        lo = (q_first - spec.window + 1).clamp_min(1) if spec.window is not None else 1
-        hi = torch.minimum(q_last, last_real)
-        any_ = (kb == 0) | ((k_first <= hi) & (k_last >= lo))
-        if spec.window is None:
-            # every pair visible when the block lies wholly before the first query row and
-            # inside the real tokens
-            full = (k_last <= q_first) & (k_last <= last_real)
-        else:
-            full = torch.zeros_like(any_)
-    else:
-        raise TypeError(f"no FlexAttention rule for {type(spec).__name__}")
+    any_, full = rule.blocks(spec, lengths - 1, L, (q_first, q_last), (k_first, k_last), kb)
     any_ = any_.expand(lengths.shape[0], n, n)
     full = full.expand(lengths.shape[0], n, n) & any_
     return any_, full
+
+
+def _two_stream_blocks(spec, last_real, L, queries, keys, kb):
+    """Key positions 1..last_real are real tokens; the diagonal and the hashed words are
+    never all kept, so no block is full."""
+    any_ = (kb == 0) | (keys[0] <= last_real)
+    return any_, torch.zeros_like(any_)
+
+
+def _window_blocks(spec, last_real, L, queries, keys, kb):
+    (q_first, q_last), (k_first, k_last) = queries, keys
+    lo = (q_first - spec.window + 1).clamp_min(1) if spec.window is not None else 1
+    hi = torch.minimum(q_last, last_real)
+    any_ = (kb == 0) | ((k_first <= hi) & (k_last >= lo))
+    if spec.window is None:
+        # every pair visible when the block lies wholly before the first query row and
+        # inside the real tokens
+        return any_, (k_last <= q_first) & (k_last <= last_real)
+    return any_, torch.zeros_like(any_)
+
+
+FLEX_RULES: dict[type, FlexRule] = {
+    TwoStreamSpec: FlexRule(_two_stream_mask_mod, _packed_two_stream_mask_mod, _two_stream_blocks),
+    WindowSpec: FlexRule(_window_mask_mod, _packed_window_mask_mod, _window_blocks),
+}
 
 
 def _listing(blocks_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
