@@ -179,27 +179,37 @@ def bow_loss(
     distinct tokens found among its |T_d| largest entries), from the pooled logits ``[D, V]`` and
     each ordinary token with its document. No read from the device: every size is known."""
     D, V = pooled_DV.shape
-    dev = pooled_DV.device
-    doc_N, tokens_N = doc_N.long(), tokens_N.long()
-    bag_DV = torch.zeros((D, V), dtype=torch.float32, device=dev)
-    bag_DV[doc_N, tokens_N] = 1.0  # distinct tokens: a repeat writes the same 1
-    count_D = torch.zeros(D, dtype=torch.float32, device=dev).index_add_(
-        0, doc_N, torch.ones_like(doc_N, dtype=torch.float32)
+    bag_DV = bag_of_words(tokens_N, doc_N, D, V, pooled_DV.device)
+    count_D = torch.zeros(D, dtype=torch.float32, device=pooled_DV.device).index_add_(
+        0, doc_N.long(), torch.ones_like(doc_N, dtype=torch.float32)
     )
     log_p = torch.log_softmax(pooled_DV.float(), dim=-1)
     per_doc = -(bag_DV * log_p).sum(-1) / count_D.clamp_min(1.0)
     has = (count_D > 0).float()
     loss = (per_doc * has).sum() / has.sum().clamp_min(1.0)
-    with torch.no_grad():
-        # recall of the bag among the vector's |T_d| largest entries (ties at the |T_d|-th
-        # value count as found)
-        distinct_D = bag_DV.sum(-1)
-        ranked_DV = pooled_DV.detach().float().sort(dim=-1, descending=True).values
-        kth_D1 = ranked_DV.gather(1, (distinct_D.long() - 1).clamp_min(0)[:, None])
-        hits_D = ((pooled_DV.detach() >= kth_D1) & (bag_DV > 0)).sum(-1)
-        found = hits_D / distinct_D.clamp_min(1.0)
-        recall = (found * has).sum() / has.sum().clamp_min(1.0)
-    return loss, recall
+    return loss, bag_recall(pooled_DV, bag_DV, has)
+
+
+def bag_of_words(
+    tokens_N: torch.Tensor, doc_N: torch.Tensor, D: int, V: int, device: torch.device
+) -> torch.Tensor:
+    """``[D, V]`` fp32: 1 where document d holds token t (each distinct token once)."""
+    bag_DV = torch.zeros((D, V), dtype=torch.float32, device=device)
+    bag_DV[doc_N.long(), tokens_N.long()] = 1.0  # distinct tokens: a repeat writes the same 1
+    return bag_DV
+
+
+@torch.no_grad()
+def bag_recall(logits_DV: torch.Tensor, bag_DV: torch.Tensor, has_D: torch.Tensor) -> torch.Tensor:
+    """The share of each document's distinct tokens found among the |T_d| largest entries of
+    its logits (ties at the |T_d|-th value count as found), averaged over the documents with
+    ``has_D`` 1: a training-progress figure."""
+    distinct_D = bag_DV.sum(-1)
+    ranked_DV = logits_DV.detach().float().sort(dim=-1, descending=True).values
+    kth_D1 = ranked_DV.gather(1, (distinct_D.long() - 1).clamp_min(0)[:, None])
+    hits_D = ((logits_DV.detach() >= kth_D1) & (bag_DV > 0)).sum(-1)
+    found = hits_D / distinct_D.clamp_min(1.0)
+    return (found * has_D).sum() / has_D.sum().clamp_min(1.0)
 
 
 def pooled_vocabulary(
