@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retromae_ds.attention.packing import packing_of
-from retromae_ds.modeling import dupmae, retromae, seed
+from retromae_ds.modeling import bowdpr, dupmae, retromae, seed
 from retromae_ds.modeling.encoder import compile_whole, encode, mlm_head
 from retromae_ds.modeling.objective import OBJECTIVES, MaskedLM, Objective, predicted
 from retromae_ds.modeling.vocab_loss import HeadParts, head_parts, linear_cross_entropy
@@ -30,6 +30,7 @@ OBJECTIVES.register("retromae", retromae.RetroMAE)
 OBJECTIVES.register("dupmae", dupmae.DupMAE)
 OBJECTIVES.register("seed", seed.SEEDEncoder)
 OBJECTIVES.register("mlm", MaskedLM)
+OBJECTIVES.register("bowdpr", bowdpr.BowDPR)
 
 
 @dataclass(kw_only=True)
