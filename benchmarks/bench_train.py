@@ -155,7 +155,9 @@ def time_deepspeed(model, batches, args, M) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", default=["tiny", "small"])
-    p.add_argument("--objectives", nargs="+", default=["retromae", "dupmae", "seed", "mlm"])
+    p.add_argument(
+        "--objectives", nargs="+", default=["retromae", "dupmae", "bowdpr", "seed", "mlm"]
+    )
     p.add_argument("--attention", nargs="+", default=["reference", "auto"])
     p.add_argument("--length", type=int, default=128)
     p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (BERT: 30522)")
@@ -176,13 +178,17 @@ def main() -> None:
     if args.device == "cuda" and args.dtype == "fp32":
         torch.backends.cuda.matmul.allow_tf32 = True
     M = _imports(args.device)
+    from retromae_ds.modeling.objective import OBJECTIVES, Objective
+
     if not args.no_deepspeed:
         M[0].setup_distributed()  # DeepSpeed's process group (the plain loop needs none)
     rows = []
     for size in args.sizes:
         for objective in args.objectives:
-            attentions = ["-"] if objective == "mlm" else args.attention
-            decoder = objective != "mlm"
+            kind = OBJECTIVES[objective]
+            # the attention backend matters only to an objective that adds decoder layers
+            attentions = args.attention if kind.build is not Objective.build else ["-"]
+            decoder = kind.decoder_inputs
             batches = make_batches(4, args.batch, args.length, decoder, args.device, M, args.vocab)
             tokens = (
                 sum(int(b["attention_mask"].sum()) for b in batches) / len(batches) * args.steps
