@@ -8,7 +8,7 @@ retromae-ds preprocess ...     raw text -> Arrow shards (also tools/preprocess_s
 retromae-ds train-tokenizer    train a WordPiece tokenizer on inputs
 retromae-ds make-tokenizer     a BERT tokenizer folder from a vocab.txt (e.g. Chinese BERT)
 retromae-ds inspect DIR        summary of a shards folder
-retromae-ds pretrain ...       RetroMAE / DupMAE / SEED-Encoder / MLM pre-training
+retromae-ds pretrain ...       RetroMAE / DupMAE / SEED-Encoder / bowdpr / MLM pre-training
 retromae-ds finetune ...       ANCE dense-retrieval fine-tuning
 retromae-ds refresh ...        the asynchronous hard-negative refresher of a fine-tuning run
 retromae-ds eval ...           retrieval metrics of an encoder on a BEIR folder
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from retromae_ds.base.commands import DESCRIPTIONS
 from retromae_ds.base.errors import JOB_ERRORS, USER_ERRORS
 from retromae_ds.base.options import command_parser, run_command
 
@@ -72,64 +73,64 @@ ENTRIES = {
     for e in (
         Entry(
             "pretrain",
-            "RetroMAE / DupMAE / SEED-Encoder / MLM pre-training on DeepSpeed",
+            DESCRIPTIONS["pretrain"],
             "retromae_ds.pretrain:PretrainConfig",
             "retromae_ds.pretrain:pretrain_command",
             errors=JOB_ERRORS,
         ),
         Entry(
             "finetune",
-            "dense-retrieval fine-tuning with ANCE hard negatives on DeepSpeed",
+            DESCRIPTIONS["finetune"],
             "retromae_ds.finetune:FinetuneConfig",
             "retromae_ds.finetune:finetune_command",
             errors=JOB_ERRORS,
         ),
         Entry(
             "refresh",
-            "the asynchronous hard-negative refresher of a fine-tuning run",
+            DESCRIPTIONS["refresh"],
             "retromae_ds.ance.refresh_config:RefresherConfig",
             "retromae_ds.ance.refresher:refresh_command",
             errors=USER_ERRORS,
         ),
         Entry(
             "preprocess",
-            "raw text -> memory-mapped Arrow shards",
+            DESCRIPTIONS["preprocess"],
             "retromae_ds.data.preprocess:PreprocessConfig",
-            "retromae_ds.data.preprocess:preprocess_command",
+            "retromae_ds.prepare:preprocess_command",
         ),
         Entry(
             "make-tokenizer",
-            "a BERT fast-tokenizer folder from a WordPiece vocab.txt",
+            DESCRIPTIONS["make-tokenizer"],
             "retromae_ds.data.tokenizer:MakeTokenizerConfig",
-            "retromae_ds.data.tokenizer:make_tokenizer_command",
+            "retromae_ds.prepare:make_tokenizer_command",
         ),
         Entry(
             "train-tokenizer",
-            "train a WordPiece tokenizer on inputs",
+            DESCRIPTIONS["train-tokenizer"],
             "retromae_ds.data.tokenizer:TrainTokenizerConfig",
-            "retromae_ds.data.tokenizer:train_tokenizer_command",
+            "retromae_ds.prepare:train_tokenizer_command",
         ),
         Entry(
             "inspect",
-            "summary of a shards folder",
+            DESCRIPTIONS["inspect"],
             "retromae_ds.data.dataset:InspectConfig",
-            "retromae_ds.data.dataset:inspect_command",
+            "retromae_ds.prepare:inspect_command",
         ),
         Entry(
             "export",
-            "encoder of a checkpoint -> Hugging Face folder",
+            DESCRIPTIONS["export"],
             "retromae_ds.export:ExportConfig",
             "retromae_ds.export:export_command",
         ),
         Entry(
             "long-task",
-            "a long-document BEIR task from WikiText articles (title / deep sentence)",
+            DESCRIPTIONS["long-task"],
             "retromae_ds.data.long_task:LongTaskConfig",
-            "retromae_ds.data.long_task:long_task_command",
+            "retromae_ds.prepare:long_task_command",
         ),
         Entry(
             "eval",
-            "retrieval metrics of an encoder on a BEIR folder",
+            DESCRIPTIONS["eval"],
             "retromae_ds.eval.run:EvalConfig",
             "retromae_ds.eval.run:eval_command",
         ),

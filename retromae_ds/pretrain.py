@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from retromae_ds.base.commands import DESCRIPTIONS
 from retromae_ds.base.config import resumable
 from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components import engine as eng
@@ -326,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m retromae_ds.pretrain`` (what the ``deepspeed`` launcher, ``torchrun`` and
     ``slurm/pretrain.sh`` start): the same command as ``retromae-ds pretrain``."""
     return job_main(
-        PretrainConfig, pretrain_command, argv, prog="retromae-ds pretrain", doc=__doc__
+        PretrainConfig,
+        pretrain_command,
+        argv,
+        prog="retromae-ds pretrain",
+        description=DESCRIPTIONS["pretrain"],
     )
 
 

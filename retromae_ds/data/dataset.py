@@ -483,9 +483,3 @@ class InspectConfig:
     """A shards folder (manifest.json)."""
     verify: bool = False
     """Check every shard's sha256."""
-
-
-def inspect_command(cfg: InspectConfig) -> int:
-    ds = ShardDataset(cfg.folder, verify=cfg.verify)
-    print(json.dumps(ds.summary(), indent=2))
-    return 0

@@ -131,11 +131,3 @@ class LongTaskConfig:
     """Deep queries start after this many words."""
     seed: int = 0
     """Seeds the choice of deep sentences."""
-
-
-def long_task_command(cfg: LongTaskConfig) -> int:
-    out = build(cfg.raw, cfg.out, min_words=cfg.min_words, deep_after=cfg.deep_after, seed=cfg.seed)
-    with open(out / "corpus.jsonl", encoding="utf-8") as f:
-        docs = sum(1 for _ in f)
-    print(f"long-task: {docs} articles -> {out} (qrels test: titles, deep: deep sentences)")
-    return 0

@@ -461,14 +461,6 @@ def _input_changes(old: list[dict], new: list[dict]) -> list[str]:
     return sorted(changes)
 
 
-def preprocess_command(cfg: PreprocessConfig) -> int:
-    """``retromae-ds preprocess``."""
-    if not cfg.merge and not cfg.inputs:
-        raise ValueError("preprocess: no inputs given")
-    run_preprocess(cfg)
-    return 0
-
-
 def run_preprocess(cfg: PreprocessConfig) -> dict[str, Any]:
     """Run (or resume) this task's share of the preprocessing; merge when it is the only
     task. Returns the manifest (single task / merge) or this task's summary."""

@@ -236,22 +236,6 @@ class TrainTokenizerConfig:
     """.txt files: a document per line, or per blank-line-separated paragraph."""
 
 
-def train_tokenizer_command(cfg: TrainTokenizerConfig) -> int:
-    from retromae_ds.data.sources import SourceOptions, expand_inputs, plan_units, read_unit
-
-    opts = SourceOptions(
-        text_field=cfg.text_field, title_field=cfg.title_field, txt_mode=cfg.txt_mode
-    )
-    units, _ = plan_units(expand_inputs(cfg.inputs), 64 * 2**20, opts)
-
-    def texts():
-        return (t for u in units for t in read_unit(u, opts).texts)
-
-    tok = train_wordpiece(texts, cfg.vocab_size, cfg.out, lowercase=cfg.lowercase)
-    print(f"train-tokenizer: {len(tok)} tokens -> {cfg.out}")
-    return 0
-
-
 @dataclass(kw_only=True)
 class MakeTokenizerConfig:
     """``retromae-ds make-tokenizer``: a BERT fast-tokenizer folder from a WordPiece vocab."""
@@ -266,11 +250,3 @@ class MakeTokenizerConfig:
     """Check that the vocabulary covers Han characters (BERT-Base Chinese)."""
     max_length: int = 512
     """Model length including special tokens."""
-
-
-def make_tokenizer_command(cfg: MakeTokenizerConfig) -> int:
-    tok = make_wordpiece(
-        cfg.vocab, cfg.out, lowercase=cfg.lowercase, chinese=cfg.chinese, max_length=cfg.max_length
-    )
-    print(f"make-tokenizer: {len(tok)} tokens -> {cfg.out}")
-    return 0
