@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 from retromae_ds.data.builtin_corpus import iter_documents, split_for_retrieval, write_beir
 from retromae_recipes.report import report
 from retromae_recipes.report_rows import aggregate
 from retromae_recipes.study import Study
-from retromae_recipes.study_config import DEMO, StudyConfig, bert_config
+from retromae_recipes.study_config import DEMO, DemoBudget, StudyConfig, bert_config
 
 
 def builtin_task(folder: Path, max_docs: int | None = None, test_every: int = 3) -> Path:
@@ -53,19 +54,20 @@ def builtin_task(folder: Path, max_docs: int | None = None, test_every: int = 3)
     return write_beir(folder, corpus, queries, test, train)
 
 
-def with_sizes(budget: dict, **sizes: int | None) -> dict:
+def with_sizes(budget: DemoBudget, **sizes: int | None) -> DemoBudget:
     """``budget`` with the sizes given (not None) in place of its own; a name it lacks is an
     error."""
-    unknown = sorted(set(sizes) - set(budget))
+    known = sorted(f.name for f in fields(budget))
+    unknown = sorted(set(sizes) - set(known))
     if unknown:
-        raise ValueError(f"not a size of the demo's budget: {unknown}; known: {sorted(budget)}")
-    return {**budget, **{k: v for k, v in sizes.items() if v is not None}}
+        raise ValueError(f"not a size of the demo's budget: {unknown}; known: {known}")
+    return replace(budget, **{k: v for k, v in sizes.items() if v is not None})
 
 
 def run_demo(
     out: str | Path,
     *,
-    budget: dict = DEMO,
+    budget: DemoBudget = DEMO,
     workers: int = 2,
     max_docs: int | None = None,
     base_steps: int | None = None,
@@ -87,7 +89,7 @@ def run_demo(
     )
     out = Path(out)
     t0 = time.perf_counter()
-    task = _write_task(out, budget["max_docs"] or None)
+    task = _write_task(out, budget.max_docs or None)
     cfg = demo_config(out, task, budget, workers, seeds, objectives, beir)
     study = Study(cfg)
     _print_protocol(cfg, budget)
@@ -118,7 +120,7 @@ def _write_task(out: Path, max_docs: int | None) -> Path:
 def demo_config(
     out: Path,
     task: Path,
-    budget: dict,
+    budget: DemoBudget,
     workers: int,
     seeds: list[int] | None,
     objectives: tuple[str, ...],
@@ -126,7 +128,7 @@ def demo_config(
 ) -> StudyConfig:
     """The study's MLM-base protocol (``bert_config``) on the built-in ``task`` at ``budget``:
     the corpus pre-trains, the task fine-tunes and evaluates."""
-    steps = budget["steps"]
+    steps = budget.steps
     return bert_config(
         str(out),
         pretrain_inputs=[str(task / "corpus.jsonl")],
@@ -135,28 +137,28 @@ def demo_config(
         workers=workers,
         objectives=list(objectives),
         finetune_objectives={"bert": list(objectives)},
-        vocab_size=budget["vocab_size"],
-        mask_ratio=budget["mask_ratio"],
-        length_grouping=budget.get("length_grouping", 0),
-        packing=budget.get("packing", False),
-        base_steps=budget["base_steps"],
-        base_lr=budget["base_lr"],
+        vocab_size=budget.vocab_size,
+        mask_ratio=budget.mask_ratio,
+        length_grouping=budget.length_grouping,
+        packing=budget.packing,
+        base_steps=budget.base_steps,
+        base_lr=budget.base_lr,
         pretrain_steps={"bert": steps},
-        pretrain_batch={"bert": budget["batch"]},
-        pretrain_lr={"bert": budget["lr"]},
-        curve_every={"bert": max(1, steps // budget["curve_points"])},
-        finetune_steps={"bert": budget["finetune_steps"]},
+        pretrain_batch={"bert": budget.batch},
+        pretrain_lr={"bert": budget.lr},
+        curve_every={"bert": max(1, steps // budget.curve_points)},
+        finetune_steps={"bert": budget.finetune_steps},
         **({"seeds": list(seeds)} if seeds is not None else {}),
     )
 
 
-def _print_protocol(cfg: StudyConfig, budget: dict) -> None:
+def _print_protocol(cfg: StudyConfig, budget: DemoBudget) -> None:
     print(
-        f"protocol: one MLM base ({budget['base_steps']} steps of {cfg.base_batch} × "
+        f"protocol: one MLM base ({budget.base_steps} steps of {cfg.base_batch} × "
         f"{cfg.max_length} tokens), continued by "
         f"{', '.join(o for o in cfg.objectives if o != 'none')} × seeds {cfg.seeds} "
-        f"({budget['steps']} steps of {budget['batch']} at lr {budget['lr']:g} each); "
-        f"zero-shot, then {budget['finetune_steps']} fine-tuning steps",
+        f"({budget.steps} steps of {budget.batch} at lr {budget.lr:g} each); "
+        f"zero-shot, then {budget.finetune_steps} fine-tuning steps",
         flush=True,
     )
 

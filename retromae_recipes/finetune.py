@@ -28,7 +28,6 @@ Runs resume: a finished run, evaluation or export is kept and skipped on a rerun
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -41,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
-from retromae_ds.base.config import to_dict
+from retromae_ds.base.config import flag, to_dict
 from retromae_ds.base.fsutil import atomic_write_text
+from retromae_ds.base.options import run_command
 from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.finetune import (
@@ -581,82 +581,86 @@ def curve_plot(results: dict[str, Any], path: Path) -> Path | None:
     return save_figure(plt, fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="scripts/finetune_scifact.py", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("--data", required=True, help="SciFact BEIR folder (with qrels/train.tsv)")
-    p.add_argument("--out", default="runs/ft_scifact")
-    p.add_argument("--init", default="", help="encoder folder (default: all-MiniLM-L6-v2)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    p.add_argument("--steps", type=int, default=RecipeConfig.steps)
-    p.add_argument("--top-k", type=int, default=RecipeConfig.top_k)
-    p.add_argument("--max-score-ratio", type=float, default=RecipeConfig.max_score_ratio)
-    p.add_argument("--refresh-threads", type=int, default=RecipeConfig.refresh_threads)
-    p.add_argument(
-        "--refresh-index", default=RecipeConfig.refresh_index, help="the ANCE refresher's index"
-    )
-    p.add_argument(
-        "--train-corpus",
-        default="",
-        help="corpus.jsonl to train and mine on instead of SciFact's (evaluation stays on it)",
-    )
-    p.add_argument("--embedding-cache", default="", help="default: OUT/embedding_cache")
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=RecipeConfig.checkpoint_every,
-        help="ANCE refreshes from every such checkpoint (>= --steps: from step 0 only)",
-    )
-    p.add_argument("--refresh-mode", choices=("full", "pool"), default=RecipeConfig.refresh_mode)
-    p.add_argument("--pool-k", type=int, default=RecipeConfig.pool_k)
-    p.add_argument(
-        "--extra-task",
-        action="append",
-        default=[],
-        metavar="NAME=BEIR_DIR",
-        help="also evaluate every encoder there (test split)",
-    )
-    p.add_argument(
-        "--no-builtin-task",
-        dest="builtin_task",
-        action="store_false",
-        help="skip the built-in task (Python docstring summary -> body, test split) that "
-        "every encoder is also evaluated on, as a collection not trained on",
-    )
-    args = p.parse_args(argv)
-    extra = dict(item.split("=", 1) for item in args.extra_task)
-    if args.builtin_task:
+@dataclass(kw_only=True)
+class RecipeOptions:
+    """``python scripts/finetune_scifact.py``: the settings of ``RecipeConfig`` a command line
+    changes (the others keep the values the recipe was measured with) and the collections not
+    trained on that every encoder is also evaluated on."""
+
+    data: str
+    """SciFact as a BEIR folder (corpus, queries, qrels/train.tsv and test.tsv)."""
+    out: str = "runs/ft_scifact"
+    """Output folder: the split, the runs, the evaluations, the report."""
+    init: str = ""
+    """The encoder folder to fine-tune (empty: all-MiniLM-L6-v2)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    """Seeds of every arm."""
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    """bm25 (BM25 negatives throughout), ance (negatives mined by the refresher)."""
+    steps: int = RecipeConfig.steps
+    """Fine-tuning steps of every run."""
+    top_k: int = RecipeConfig.top_k
+    """Candidates the negatives are drawn from (``RecipeConfig.top_k``)."""
+    max_score_ratio: float = RecipeConfig.max_score_ratio
+    """False-negative filter of the ANCE arm (0: off; ``RecipeConfig.max_score_ratio``)."""
+    refresh_threads: int = RecipeConfig.refresh_threads
+    """Torch threads of the ANCE arm's CPU refresher."""
+    refresh_index: str = RecipeConfig.refresh_index
+    """The ANCE refresher's index (flat, ivf, ivfpq, hnsw, auto or a faiss string)."""
+    train_corpus: str = ""
+    """A corpus.jsonl to train and mine on instead of SciFact's (evaluation stays on it)."""
+    embedding_cache: str = ""
+    """The refresher's embedding cache (empty: OUT/embedding_cache)."""
+    checkpoint_every: int = RecipeConfig.checkpoint_every
+    """ANCE refreshes from every such checkpoint (>= --steps: from step 0 only)."""
+    refresh_mode: str = flag(RecipeConfig.refresh_mode, choices=("full", "pool"))
+    """How the ANCE refresher mines each version (``RecipeConfig.refresh_mode``)."""
+    pool_k: int = RecipeConfig.pool_k
+    """K' of --refresh_mode pool (0: --top_k)."""
+    extra_task: list[str] = field(default_factory=list)
+    """Also evaluate every encoder on these BEIR folders (test split), each NAME=BEIR_DIR."""
+    builtin_task: bool = True
+    """Also evaluate every encoder on the built-in task (Python docstring summary -> body,
+    test split), a collection not trained on (false: skip it)."""
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.arms if a not in ARMS]
+        if bad:
+            raise ValueError(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
+        bad = [t for t in self.extra_task if not t.partition("=")[0] or "=" not in t]
+        if bad:
+            raise ValueError(f"--extra_task: give NAME=BEIR_DIR, not {bad}")
+
+
+def recipe_config(opts: RecipeOptions) -> RecipeConfig:
+    """The ``RecipeConfig`` of a command line: its settings, and the extra tasks (the
+    built-in one written under ``out/python_docs`` on first use)."""
+    extra = dict(item.split("=", 1) for item in opts.extra_task)
+    if opts.builtin_task:
         from retromae_recipes.demo import builtin_task
 
-        extra["python-docs"] = str(builtin_task(Path(args.out) / "python_docs"))
-    cfg = RecipeConfig(
-        data=args.data,
-        out=args.out,
-        init=args.init,
-        seeds=args.seeds,
-        arms=args.arms,
-        steps=args.steps,
-        top_k=args.top_k,
-        max_score_ratio=args.max_score_ratio,
-        refresh_threads=args.refresh_threads,
-        refresh_mode=args.refresh_mode,
-        pool_k=args.pool_k,
-        refresh_index=args.refresh_index,
-        train_corpus=args.train_corpus,
-        embedding_cache=args.embedding_cache,
-        checkpoint_every=args.checkpoint_every,
-        extra_tasks=extra,
+        extra["python-docs"] = str(builtin_task(Path(opts.out) / "python_docs"))
+    settings = {k: v for k, v in vars(opts).items() if k not in ("extra_task", "builtin_task")}
+    return RecipeConfig(**settings, extra_tasks=extra)
+
+
+PROG = "scripts/finetune_scifact.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/finetune_scifact.py``: its options are ``RecipeOptions``' fields,
+    parsed like every ``retromae-ds`` command (``base.options``); a bad option or value is one
+    line naming it, exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def run(opts: RecipeOptions) -> int:
+        print(Recipe(recipe_config(opts)).run(" ".join([f"python {PROG}", *argv])))
+        return 0
+
+    return run_command(
+        RecipeOptions,
+        run,
+        argv,
+        prog=PROG,
+        description=" ".join(__doc__.split("\n\n")[0].split()),
     )
-    print(
-        Recipe(cfg).run(
-            " ".join(
-                [
-                    "python scripts/finetune_scifact.py",
-                    *(argv if argv is not None else sys.argv[1:]),
-                ]
-            )
-        )
-    )
-    return 0

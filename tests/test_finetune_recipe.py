@@ -156,7 +156,7 @@ def _versions(run: Path) -> list[tuple[int, int]]:
 
 
 def test_a_padded_training_corpus_keeps_every_judged_passage_and_is_refused_otherwise(tmp_path):
-    """``--train-corpus``: the recipe trains and mines on another corpus.jsonl beside the
+    """``--train_corpus``: the recipe trains and mines on another corpus.jsonl beside the
     split's queries and qrels (links, written whole), and refuses one that lacks a judged
     passage or holds a line that is not BEIR's, naming the file and the line."""
     from retromae_recipes.finetune import with_corpus

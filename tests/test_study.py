@@ -190,9 +190,10 @@ def test_missing_inputs_are_named(tmp_path):
 def test_quick_and_gpu_modes_exclude_each_other(capsys):
     from retromae_recipes.study import main
 
-    with pytest.raises(SystemExit):
-        main(["--quick", "--gpu"])
-    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["--quick", "--gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    want = "--quick and --gpu are different protocols: give one of them"
+    assert err == f"scripts/study.py: error: {want}"
 
 
 def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsys):
@@ -201,10 +202,10 @@ def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsy
     import retromae_recipes.study
 
     monkeypatch.delenv("RETROMAE_DS_DATA", raising=False)
-    with pytest.raises(SystemExit):
-        retromae_recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
+    assert retromae_recipes.study.main(["--quick", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--data DIR" in err and "RETROMAE_DS_DATA" in err and "wikitext2/wiki.test.raw" in err
+    assert "--pretrain_inputs and --finetune_beir" in err and len(err.splitlines()) == 1
 
     seen = []
 
@@ -221,10 +222,10 @@ def test_the_command_line_needs_data_or_both_inputs(tmp_path, monkeypatch, capsy
         retromae_recipes.study.main(["--quick", "--out", str(tmp_path / "out")])
     with pytest.raises(Stop):
         retromae_recipes.study.main(
-            ["--data", str(tmp_path / "flag"), "--seeds", "4", "--pretrain-steps", "7"]
+            ["--data", str(tmp_path / "flag"), "--seeds", "4", "--pretrain_steps", "7"]
         )
     with pytest.raises(Stop):
-        retromae_recipes.study.main(["--pretrain-inputs", "a.txt", "--finetune-beir", "b"])
+        retromae_recipes.study.main(["--pretrain_inputs", "a.txt", "--finetune_beir", "b"])
     env, flag, inputs = seen
     assert env.data == str(tmp_path / "env") and env.starts == ["scratch"]  # --quick
     assert flag.data == str(tmp_path / "flag") and flag.seeds == [4]
@@ -298,7 +299,7 @@ def test_report_only_collects_finished_cells_without_running_anything(tmp_path):
     beir.mkdir()
     (beir / "corpus.jsonl").touch()
     (tmp_path / "a.txt").touch()
-    args = ["--pretrain-inputs", str(tmp_path / "a.txt"), "--finetune-beir", str(beir)]
+    args = ["--pretrain_inputs", str(tmp_path / "a.txt"), "--finetune_beir", str(beir)]
     args += ["--bert", "--stages", "zero_shot", "--out", str(tmp_path / "out")]
     study = Study(
         bert_config(str(tmp_path / "out"), pretrain_inputs=[str(tmp_path / "a.txt")],
@@ -309,7 +310,7 @@ def test_report_only_collects_finished_cells_without_running_anything(tmp_path):
     cell.mkdir(parents=True)
     (cell / "zero_shot.json").write_text(json.dumps({"rows": [row]}))
     assert study.finished() == [row]
-    assert main([*args, "--report-only"]) == 0  # nothing trained: no base, no shards
+    assert main([*args, "--report_only"]) == 0  # nothing trained: no base, no shards
     assert not study.base_cell().exists() and not study.shards_dir("bert").exists()
     assert (
         "| beir | bert | retromae | zero_shot | cls | 1 |"

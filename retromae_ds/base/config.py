@@ -151,8 +151,10 @@ def _parent_of(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None
     return (node if isinstance(node, dict) and leaf in node else None), leaf
 
 
-def _note_renamed(old: str, new: str) -> None:
-    """One note per old name and process, whether a file or the command line used it."""
+def note_renamed(old: str, new: str) -> None:
+    """Say once per old name and process, on stderr, that option or field ``old`` is now
+    ``new`` (``--kebab-case`` and ``--dotted.name`` forms of one name count as one), whether a
+    config file or the command line (``base.options``) used it."""
     key = old.lstrip("-").replace("-", "_")
     if key not in _NOTED:
         _NOTED.add(key)
@@ -189,7 +191,7 @@ def _rename(cls: type, data: dict[str, Any], quiet: bool, saved: bool, prefix: s
             node = node.setdefault(part, {})
         node[new_leaf] = holder.pop(leaf)
         if not quiet:
-            _note_renamed(prefix + old, prefix + new)
+            note_renamed(prefix + old, prefix + new)
     if dataclasses.is_dataclass(cls):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -531,8 +533,11 @@ def flag(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def _leaves(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any, Any]]:
-    """(dotted name, field, type, default or _MISSING) of every leaf field, sections flattened."""
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any, Any]]:
+    """(dotted name, field, resolved type, default or ``dataclasses.MISSING``) of every leaf
+    field of config dataclass ``cls`` (its settings: nested sections flattened into dotted
+    names, fields with ``init=False`` left out), in declaration order; ``prefix`` is put before
+    every name. ``base.options`` builds a command's options from it."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
@@ -540,14 +545,15 @@ def _leaves(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, A
             continue
         tp, default = hints[f.name], _default_of(f, None)
         if _is_section(tp):
-            out += _leaves(tp, f"{prefix}{f.name}.")
+            out += leaf_fields(tp, f"{prefix}{f.name}.")
         else:
             out.append((prefix + f.name, f, tp, default))
     return out
 
 
-def _optional_of(tp: Any) -> Any:
-    """``X`` for ``X | None``, else ``tp``."""
+def optional_of(tp: Any) -> Any:
+    """The type an optional annotation wraps: ``X`` for ``X | None`` (or ``Optional[X]``),
+    else ``tp`` itself (a union of several types is returned whole)."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:

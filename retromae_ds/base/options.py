@@ -29,14 +29,14 @@ from typing import Any, TypeVar
 
 from retromae_ds.base.config import (
     FLAG_KEY,
-    _leaves,
-    _note_renamed,
-    _optional_of,
     apply_renamed,
     from_dict,
     help_text,
+    leaf_fields,
     load_file,
     merge_dotted,
+    note_renamed,
+    optional_of,
     renamed_key,
 )
 from retromae_ds.base.errors import USER_ERRORS, run_reporting
@@ -75,22 +75,22 @@ class Leaf:
 
     @property
     def is_bool(self) -> bool:
-        return _optional_of(self.tp) is bool
+        return optional_of(self.tp) is bool
 
     @property
     def is_list(self) -> bool:
-        return typing.get_origin(_optional_of(self.tp)) in (list, tuple)
+        return typing.get_origin(optional_of(self.tp)) in (list, tuple)
 
     @property
     def optional(self) -> bool:
-        return _optional_of(self.tp) is not self.tp
+        return optional_of(self.tp) is not self.tp
 
 
 def leaves(cls: type) -> dict[str, Leaf]:
     """``{dotted name: Leaf}`` of every setting of config dataclass ``cls``."""
     return {
         dotted: Leaf(dotted, tp, default, dict(f.metadata.get(FLAG_KEY, {})))
-        for dotted, f, tp, default in _leaves(cls)
+        for dotted, f, tp, default in leaf_fields(cls)
     }
 
 
@@ -110,18 +110,18 @@ def _resolve(cls: type, table: dict[str, Leaf], key: str) -> tuple[str | None, s
     if name not in table:
         renamed = renamed_key(cls, name)
         if renamed in table:
-            _note_renamed(f"--{key}", f"--{renamed}")
+            note_renamed(f"--{key}", f"--{renamed}")
             name = renamed
         elif name.startswith("no_"):
             target, _ = _resolve(cls, table, name[3:])
             if target is not None and table[target].is_bool:
-                _note_renamed(f"--{key}", f"--{target} false")
+                note_renamed(f"--{key}", f"--{target} false")
                 return target, "false"
             return None, None
         else:
             return None, None
     elif name != key:
-        _note_renamed(f"--{key}", f"--{name}")
+        note_renamed(f"--{key}", f"--{name}")
     return (name, None) if not table[name].positional else (None, None)
 
 
