@@ -71,6 +71,7 @@ from retromae_ds.components.layout import (
 )
 from retromae_ds.eval.towers import still_there
 from retromae_ds.hf import sbert
+from retromae_ds.hf.pooling import Choices, check_pooling, get_pooling
 from retromae_ds.hf.util import load_tokenizer_checked, quiet_transformers
 from retromae_ds.modeling.load import HEAD_PREFIXES, load_pretrained, load_with_head
 from retromae_ds.modeling.positions import usable_positions
@@ -168,7 +169,7 @@ def export_encoder(
     ``DiskFull`` naming ``out``; a named checkpoint pruned while being read a
     ``FileNotFoundError`` saying so (a run folder is exported again from its newest).
     """
-    sbert.check_pooling(pooling)
+    pooling = sbert.check_pooling(pooling)
     if bow_topk is not None and bow_topk < 0:
         raise ValueError(f"bow_topk must be >= 0, not {bow_topk}")
     out = Path(out)
@@ -328,7 +329,7 @@ def _write_export(
     """The export's files into ``staging``: body, tokenizer, sentence-transformers files and
     the ``export.json`` marker; with ``query_source`` the query tower in ``query_encoder/``
     and the Router sending queries there (see the module doc)."""
-    with_head = spec.pooling in sbert.HEAD_POOLINGS
+    with_head = get_pooling(spec.pooling).needs_head
     files = {"pooling": spec.pooling, "normalize": spec.normalize, "bow_topk": spec.bow_topk}
     if query_source is not None:
         query_dir = staging / QUERY_ENCODER
@@ -391,9 +392,10 @@ class ExportConfig:
     """A complete checkpoint folder, or a run folder (its newest)."""
     out: str = flag(positional=True)
     """The Hugging Face folder to write."""
-    pooling: str = flag("auto", choices=("auto", *sbert.POOLINGS))
-    """Sentence embedding (auto: the encoder's own, else cls); dupmae / dupmae_bow keep the
-    MLM head in OUT (see the module doc)."""
+    pooling: str = flag("auto", choices=Choices())
+    """Sentence embedding: auto (the encoder's own, else cls) or a registered pooling
+    (retromae_ds.hf.pooling); one that needs the MLM head (dupmae / dupmae_bow) keeps it in OUT
+    (see the module doc)."""
     normalize: bool | None = None
     """L2-normalise embeddings (none: the encoder's own, else no)."""
     bow_topk: int | None = None
@@ -401,6 +403,9 @@ class ExportConfig:
     else 256; 0 keeps all)."""
     overwrite: bool = False
     """Replace a non-empty OUT that is not a previous export (never a run or checkpoint)."""
+
+    def __post_init__(self) -> None:
+        self.pooling = check_pooling(self.pooling, "--pooling")
 
 
 def export_command(cfg: ExportConfig) -> int:

@@ -64,6 +64,7 @@ from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.hf import sbert
+from retromae_ds.hf.pooling import check_pooling, get_pooling
 from retromae_ds.training.config import OptimConfig, RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
 
@@ -89,7 +90,8 @@ class DualModelConfig:
     init: str = ""
     """A local Hugging Face encoder folder, a complete checkpoint, or a run folder."""
     pooling: str = "auto"
-    """auto (the init's own: its sentence-transformers files, else cls), cls (RetroMAE's
+    """auto (the init's own: its sentence-transformers files, else cls) or a registered
+    pooling (retromae_ds.hf.pooling, an installed package's included): cls (RetroMAE's
     sentence embedding), mean, dupmae_bow (DupMAE's ordinary-token vector, through the MLM
     head: the init must keep it) or dupmae ([CLS] and that vector concatenated). The refresher
     mines with the same pooling (DupMAE's vectors are vocabulary-sized: shards hold fewer
@@ -106,11 +108,7 @@ class DualModelConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.pooling != "auto" and self.pooling not in sbert.POOLINGS:
-            raise ValueError(
-                f"model.pooling must be auto or one of {', '.join(sbert.POOLINGS)}, "
-                f"not {self.pooling!r}"
-            )
+        self.pooling = check_pooling(self.pooling, "model.pooling")
         if self.bow_topk is not None and self.bow_topk < 0:
             raise ValueError(f"model.bow_topk must be >= 0, not {self.bow_topk}")
         if self.temperature is not None and self.temperature <= 0:
@@ -350,7 +348,7 @@ def _build_model(
 ) -> DualEncoder:
     """The dual encoder from the init: one shared tower or two (``model.shared``), each with
     its MLM head for the DupMAE poolings."""
-    head = spec.pooling in sbert.HEAD_POOLINGS
+    head = get_pooling(spec.pooling).needs_head
     encoder = load_tower(init_dir, head=head)
     query_encoder = None if cfg.model.shared else load_tower(init_dir, head=head)
     for tower in (encoder, query_encoder):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from retromae_ds.base.fsutil import atomic_write_text
+from retromae_ds.hf.pooling import DEFAULT_POOLING
 from retromae_recipes import report_dupmae
 from retromae_recipes.common import pyplot, save_figure
 from retromae_recipes.report_rows import (
@@ -103,7 +104,8 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
         for a in agg
         if a["start"] != "lexical"
         and (
-            a["pooling"] == "cls" or (a["objective"] == "dupmae" and a["pooling"] in HEAD_POOLINGS)
+            a["pooling"] == DEFAULT_POOLING
+            or (a["objective"] == "dupmae" and a["pooling"] in HEAD_POOLINGS)
         )
     ]
     panels = list(dict.fromkeys((a["task"], a["start"]) for a in report_order(dense)))
@@ -114,7 +116,7 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
         mine = [a for a in dense if a["task"] == task and a["start"] == start]
         stages = [s for s in STAGES if any(a["stage"] == s for a in mine)]
         present = {(a["objective"], a["pooling"]) for a in mine}
-        series = [(o, "cls") for o in ARMS] + [("dupmae", p) for p in HEAD_POOLINGS]
+        series = [(o, DEFAULT_POOLING) for o in ARMS] + [("dupmae", p) for p in HEAD_POOLINGS]
         series = [s for s in series if s in present]
         width = 0.8 / max(1, len(series))
         by_key = {(a["stage"], a["objective"], a["pooling"]): a for a in mine}
@@ -126,7 +128,7 @@ def plot(agg: list[dict[str, Any]], path: Path) -> Path | None:
                     xs.append(i + k * width)
                     ys.append(a["ndcg@10"])
                     es.append(a["ndcg@10_std"])
-            label = obj if pooling == "cls" else f"{obj} [{pooling}]"
+            label = obj if pooling == DEFAULT_POOLING else f"{obj} [{pooling}]"
             ax.bar(xs, ys, width, yerr=es, label=label, capsize=3)
         bm25 = next((a for a in agg if a["task"] == task and a["start"] == "lexical"), None)
         if bm25:
@@ -220,10 +222,10 @@ def curve_plot(pretraining: list[dict[str, Any]], path: Path) -> Path | None:
             ax.plot(c["tokens"], c["mean"], marker=".", label=label, color=colour[objective])
             ax.fill_between(c["tokens"], lo, hi, alpha=0.2, color=colour[objective])
         for objective in ("mlm", "retromae") if pooling in HEAD_POOLINGS else ():
-            c = data.get((start, objective, f"eval/{task}/cls/ndcg@10"))
+            c = data.get((start, objective, f"eval/{task}/{DEFAULT_POOLING}/ndcg@10"))
             if c:
                 ax.plot(c["tokens"], c["mean"], linestyle="--", color=colour[objective],
-                        label=f"{objective} [cls]")  # fmt: skip
+                        label=f"{objective} [{DEFAULT_POOLING}]")  # fmt: skip
         ax.set_title(f"start {start}: {key.removeprefix('eval/')}")
         ax.set_xlabel("tokens seen (the base's, then the continuation's)")
         ax.set_ylabel("zero-shot nDCG@10 (sample of the tuning split)")
@@ -259,7 +261,7 @@ def verdicts(agg: list[dict[str, Any]]) -> list[str]:
     out = []
     dense = [a for a in report_order(agg) if a["start"] != "lexical"]
     for task, start, pooling in dict.fromkeys((a["task"], a["start"], a["pooling"]) for a in dense):
-        where = f"{task}, {start}" + ("" if pooling == "cls" else f", {pooling} pooling")
+        where = f"{task}, {start}" + ("" if pooling == DEFAULT_POOLING else f", {pooling} pooling")
         for stage in STAGES:
             for x, y, who, starts in CLAIMS:
                 if starts and start not in starts:

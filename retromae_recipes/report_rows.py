@@ -13,16 +13,19 @@ import math
 import statistics
 from typing import Any
 
+from retromae_ds.hf.pooling import DEFAULT_POOLING, registered
+
 ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "seed_strong")
 """A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
 ``dupmae`` (RetroMAE v2, docs/dupmae.md) and ``seed_strong`` (SEED-Encoder with a strong
 decoder); the pre-training objectives proper are
 ``retromae_ds.modeling.objectives.OBJECTIVES``."""
-HEAD_POOLINGS = ("dupmae_bow", "dupmae")
-"""DupMAE's poolings (``retromae_ds.hf.sbert.HEAD_POOLINGS``, in report order): the ordinary
-tokens' top-k vector through the MLM head, and [CLS] concatenated with it."""
-POOLING_ORDER = ("cls", "mean", *HEAD_POOLINGS)
-"""Poolings in report order."""
+POOLING_ORDER = tuple(p.name for p in registered())
+"""Poolings in report order: the library's registry order (``retromae_ds.hf.pooling``: cls,
+mean, dupmae_bow, dupmae)."""
+HEAD_POOLINGS = tuple(p.name for p in registered() if p.needs_head)
+"""The poolings through the MLM head (DupMAE's: the ordinary tokens' top-k vector, and [CLS]
+concatenated with it), in report order."""
 STAGES = ("zero_shot", "bm25", "ance")
 MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 RERANK_MEASURES = ("rerank_map", "rerank_mrr@10")
@@ -44,7 +47,7 @@ def row_key(r: dict[str, Any]) -> tuple[str, str, str, str, str]:
         r["start"],
         r["objective"],
         r["stage"],
-        r.get("pooling", "cls"),
+        r.get("pooling", DEFAULT_POOLING),
     )
 
 

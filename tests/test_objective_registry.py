@@ -114,3 +114,10 @@ def test_a_packaged_objective_trains_on_two_ranks_and_resumes_exactly(tmp_path, 
     done = pretrain(tmp_path / "bare", synthetic_shards, *common, "--max_steps", "1", check=False)
     assert done.returncode == 2
     assert "objective.name must be one of retromae, dupmae, seed, mlm" in done.stderr
+
+
+def test_every_objectives_poolings_are_registered_poolings():
+    from retromae_ds.hf.pooling import pooling_names
+
+    for name in OBJECTIVES.names():
+        assert set(OBJECTIVES[name].poolings) <= set(pooling_names()), name

@@ -202,8 +202,13 @@ def test_auto_rule_is_the_documented_one():
     ],
 )  # fmt: skip
 def test_errors_name_the_setting_at_fault(kind, settings, message):
+    """``retromae_ds.search`` names its settings bare; the trainer's refresh section, which
+    read them, re-raises every error with its own option names (``refresh.``)."""
+    from retromae_ds.ance.refresh_config import RefreshConfig
+
+    options = {("search_backend" if k == "backend" else k): v for k, v in settings.items()}
     with pytest.raises(ValueError, match=message):
-        resolve_index(kind, n=2000, dim=32, prefix="refresh.", **settings)
+        RefreshConfig(index=kind, **options).index_choice(n=2000, dim=32)
 
 
 def test_too_few_vectors_at_add_time_names_the_index():

@@ -6,9 +6,10 @@ sentence-transformers files and ``dual_encoder.json`` naming the pooling, normal
 temperature and the query/passage lengths it was trained at), which is what the refresher,
 ``retromae-ds eval`` and ``export`` read (``retromae_ds.hf.sbert``).
 
-DupMAE's poolings (``dupmae``, ``dupmae_bow``) train through each tower's MLM head
-(``retromae_ds.modeling.bow``): the towers are then masked-LM models (``load_tower``) and are
-saved with their heads.
+The pooling is any registered one (``retromae_ds.hf.pooling``), applied by its own function.
+A pooling that needs the MLM head (DupMAE's ``dupmae``, ``dupmae_bow``) trains through each
+tower's head (``retromae_ds.modeling.bow``): the towers are then masked-LM models
+(``load_tower``) and are saved with their heads.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from torch import nn
 
 from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
-from retromae_ds.eval.encode import pool
 from retromae_ds.hf import sbert
+from retromae_ds.hf.pooling import DEFAULT_POOLING, check_pooling, get_pooling
 from retromae_ds.modeling.bow import bow_vectors, head_weights
 from retromae_ds.modeling.encoder import compile_whole, encode
 
@@ -59,19 +60,18 @@ class DualEncoder(nn.Module):
         encoder: nn.Module,
         query_encoder: nn.Module | None = None,
         *,
-        pooling: str = "cls",
+        pooling: str = DEFAULT_POOLING,
         normalize: bool = False,
         temperature: float = 1.0,
         bow_topk: int = sbert.DEFAULT_BOW_TOPK,
         special_ids: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
-        if pooling not in sbert.POOLINGS or temperature <= 0:
-            raise ValueError(
-                f"pooling {'|'.join(sbert.POOLINGS)} and temperature > 0, got {pooling}, "
-                f"{temperature}"
-            )
-        self.head = pooling in sbert.HEAD_POOLINGS
+        pooling = check_pooling(pooling, "pooling", auto=False)
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.pool = get_pooling(pooling)
+        self.head = self.pool.needs_head
         if self.head and not special_ids:
             raise ValueError(f"pooling {pooling}: the tokenizer's special ids are needed")
         self.encoder = encoder
@@ -103,7 +103,7 @@ class DualEncoder(nn.Module):
             bow_BV = bow_vectors(
                 tower, hidden_BLD, ids_BL, mask_BL, self.special_ids, self.bow_topk
             )
-        emb_BD = pool(hidden_BLD, mask_BL, self.pooling, bow_BV)
+        emb_BD = self.pool(hidden_BLD, mask_BL, bow_BV)
         return nn.functional.normalize(emb_BD, dim=-1) if self.normalize else emb_BD
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from retromae_ds.ance.embed_shards import DTYPES
 from retromae_ds.ance.mining import STRATEGIES
 from retromae_ds.base.config import resumable
-from retromae_ds.search.kinds import check_index_setting
+from retromae_ds.search.index import IndexChoice, spelled_as
+from retromae_ds.search.kinds import IndexSetting, index_setting
+
+if TYPE_CHECKING:
+    import torch
+
+    from retromae_ds.search.index import Index
 
 
 @dataclass(kw_only=True)
@@ -197,10 +203,7 @@ class RefreshConfig:
 
     def __post_init__(self) -> None:
         opt = self.OPTIONS
-        check_index_setting(self.index, self.search_backend, opt)
-        for name in ("nprobe", "ef_search", "train_size"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{opt}{name} must be >= 0 (0: auto), not {getattr(self, name)}")
+        self.index_setting = self._index_setting()
         for name in ("parent_pid", "threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{opt}{name} must be >= 0, got {getattr(self, name)}")
@@ -218,6 +221,49 @@ class RefreshConfig:
             raise ValueError(
                 f"{opt}embedding_dtype must be one of {DTYPES}, not {self.embedding_dtype!r}"
             )
+
+    def option(self, setting: str) -> str:
+        """How this section spells ``retromae_ds.search``'s setting ``setting`` (``nprobe``
+        -> ``refresh.nprobe``; the search ``backend`` is ``search_backend``)."""
+        return self.OPTIONS + ("search_backend" if setting == "backend" else setting)
+
+    def _index_setting(self) -> IndexSetting:
+        """``index`` and its companions checked, once: the ``IndexSetting`` the refresher
+        builds each rank's index from (the name of a search backend, which ``index`` held
+        before ``search_backend`` existed, said as such)."""
+        if self.index in ("faiss", "torch") and self.search_backend in ("auto", "faiss", "torch"):
+            index, backend = self.option("index"), self.option("backend")
+            raise ValueError(
+                f"{index} names the index type now (auto, flat, ivf, ivfpq, hnsw or a faiss "
+                f"index_factory string); the search backend {self.index!r} is {backend}: "
+                f"--{backend} {self.index}"
+            )
+        with spelled_as(self.option):
+            return index_setting(
+                self.index, backend=self.search_backend, nprobe=self.nprobe,
+                ef_search=self.ef_search, train_size=self.train_size,
+            )  # fmt: skip
+
+    def build_index(
+        self, n: int, dim: int, k: int = 0, device: str | torch.device | None = None
+    ) -> Index:
+        """The empty index a refresher rank searches ``n`` passages of ``dim`` with (``k``:
+        the results each search asks for), built once; a ValueError naming the option at
+        fault as this section spells it when the corpus cannot satisfy the setting. Loads
+        faiss (the refresher only)."""
+        from retromae_ds.search.build import build  # faiss: loaded by the refresher only
+
+        with spelled_as(self.option):
+            return build(
+                self.index_setting, n=n, dim=dim, k=k, device=device, seed=self.mining.seed
+            )
+
+    def index_choice(self, n: int, dim: int, k: int = 0) -> IndexChoice:
+        """What ``index`` resolves to for ``n`` passages of ``dim`` (``build_index``'s
+        ``choice``)."""
+        choice = self.build_index(n, dim, k).choice
+        assert choice is not None
+        return choice
 
 
 @dataclass(kw_only=True)

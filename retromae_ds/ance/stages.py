@@ -49,12 +49,13 @@ from retromae_ds.base.fsutil import atomic_save_npy, atomic_write_text
 from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.eval.encode import pool, resolve_device
+from retromae_ds.eval.encode import resolve_device
 from retromae_ds.hf import sbert
+from retromae_ds.hf.pooling import get_pooling
 from retromae_ds.modeling.bow import bow_vectors
 
 if TYPE_CHECKING:
-    from retromae_ds.search.build import IndexChoice
+    from retromae_ds.search.index import Index, IndexChoice
 
 
 # --------------------------------------------------------------------------- encoding
@@ -74,15 +75,17 @@ def encode_rows(
 ) -> np.ndarray:
     """Embeddings float32 ``[len(rows), D]`` of shard rows (``[CLS] row [SEP]``), in order.
     The DupMAE poolings read ``model``'s MLM head (``load_tower(..., head=True)``): D is
-    ``sbert.embedding_dim``, the ordinary-token vector keeping ``bow_topk`` entries.
+    the pooling's ``dim`` (``hf.pooling``), the ordinary-token vector keeping ``bow_topk``
+    entries.
 
     Rows are taken in windows of 64 batches, each sorted by length so padding stays small.
     """
     device = next(model.parameters()).device
-    head = pooling in sbert.HEAD_POOLINGS
+    pool = get_pooling(pooling)
+    head = pool.needs_head
     body = model.base_model if head else model
     config = model.config
-    dim = sbert.embedding_dim(pooling, config.hidden_size, config.vocab_size)
+    dim = pool.dim(config.hidden_size, config.vocab_size)
     special_ids = torch.tensor(sorted(special.all), dtype=torch.long)
     out = np.empty((len(rows), dim), dtype=np.float32)
     was_training = model.training
@@ -104,7 +107,7 @@ def encode_rows(
                     hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state
                     if head:
                         bow = bow_vectors(model, hidden, ids, mask, special_ids, bow_topk)
-                emb = pool(hidden, mask, pooling, bow).float()
+                emb = pool(hidden, mask, bow).float()
                 if normalize:
                     emb = torch.nn.functional.normalize(emb, dim=-1)
                 out[w0 + sel] = emb.cpu().numpy()
@@ -191,19 +194,18 @@ def index_choice(cfg: RefreshConfig, n: int, dim: int, k: int = 0) -> IndexChoic
     """What ``refresh.index`` and its settings resolve to for ``n`` passages of ``dim`` (with
     ``k``, searches for ``k`` results: ``ef_search`` auto as the value they use), or a
     ValueError naming the setting at fault as the running command spells it."""
-    from retromae_ds.search.build import resolve_index  # faiss: loaded by the refresher only
+    return cfg.index_choice(n, dim, k)
 
-    return resolve_index(
-        cfg.index,
-        n=n,
-        dim=dim,
-        backend=cfg.search_backend,
-        nprobe=cfg.nprobe,
-        ef_search=cfg.ef_search,
-        train_size=cfg.train_size,
-        k=k,
-        prefix=cfg.OPTIONS,
-    )
+
+def rank_index(job: Job, shards: list[Shard]) -> Index:
+    """The empty index this rank searches its ``shards`` with (``refresh.index``, checked
+    when the config was read, sized to the shards' passages and built once: before encoding,
+    so a setting the corpus cannot satisfy stops the refresh then); a ValueError naming the
+    option at fault."""
+    n = sum(shard.rows for shard in shards)
+    k = min(job.top_k(), max(1, n))
+    device = pick_device(job.cfg, job.group.local_rank)  # torch backend: this rank's device
+    return job.cfg.build_index(n, job.dim, k, device)
 
 
 QUERY_BATCH = 4096
@@ -238,6 +240,9 @@ class Job:
     """The embedding cache's answer per shard: resumed, hit, miss, off or not stored."""
     redone: int = 0
     """Shards of this rank encoded again: another identity, or a failed checksum."""
+    index: Index | None = None
+    """The empty index this rank's search stage fills (``rank_index``), built before its
+    shards are encoded; None once searched, or for a rank without shards."""
     passages: np.ndarray | None = None
     """The passages the shards hold, sorted (a candidate-pool version: the pool's union,
     ``candidate_pool``); None: the whole corpus, shard s holding passages s·R .. (s+1)·R."""
@@ -270,7 +275,7 @@ class Job:
     def dim(self) -> int:
         """Entries of one embedding: the hidden size, or DupMAE's vocabulary-sized vectors."""
         config = read_json(self.checkpoint / ENCODER / "config.json")
-        return sbert.embedding_dim(self.spec.pooling, config["hidden_size"], config["vocab_size"])
+        return get_pooling(self.spec.pooling).dim(config["hidden_size"], config["vocab_size"])
 
     def shard_rows(self) -> int:
         """Passages per shard: ``refresh.shard_rows``, fewer where a shard of float32
@@ -331,7 +336,7 @@ class Towers:
     def load(cls, job: Job) -> Towers:
         cfg, spec = job.cfg, job.spec
         device = pick_device(cfg, job.group.local_rank)
-        head = spec.pooling in sbert.HEAD_POOLINGS  # DupMAE: the MLM head pools
+        head = get_pooling(spec.pooling).needs_head  # DupMAE: the MLM head pools
         passages = load_tower(job.checkpoint / ENCODER, head=head).to(device)
         query_dir = job.checkpoint / QUERY_ENCODER
         shared = not query_dir.is_dir()
@@ -407,7 +412,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
             flush=True,
         )
     if shards and job.passages is None:  # bad settings: before encoding
-        index_choice(cfg, sum(shard.rows for shard in shards), job.dim)
+        job.index = rank_index(job, shards)
     t0 = time.perf_counter()
     passage_digest = folder_digest(job.checkpoint / ENCODER)
     timings["encoder_digest_s"] = time.perf_counter() - t0
@@ -525,44 +530,32 @@ def verify_stage(job: Job, shards: list[Shard]) -> list[Shard]:
 
 def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
     """Every rank: all queries against its (verified) shards with the index
-    ``refresh.index`` names: exact search shard by shard, each memory-mapped only while it is
-    searched, the top-K merged exactly (``search_blocks``); an approximate index trained on
-    a sample gathered from the shards, filled shard by shard and its top-K rescored exactly
-    (so the false-negative filter compares exact scores). Top-K with global passage indices
-    and the scores of the positives it holds go to ``topk_rank{r}.npz`` (what the index
-    resolved to: ``index_rank{r}.json``). Held at once: the queries ``[Q, D]``, the running
-    top-K ``[Q, K]``, one shard (or, approximate, the index itself)."""
-    from retromae_ds.search.build import build_index
-    from retromae_ds.search.exact import rescore, search_blocks
+    ``refresh.index`` names (``rank_index``, an ``Index`` of ``retromae_ds.search``), the
+    shards given to its ``search_parts`` one at a time, memory-mapped: exact search shard by
+    shard, the top-K merged exactly; an approximate index trained on a sample gathered from
+    the shards, filled shard by shard and its top-K rescored exactly (so the false-negative
+    filter compares exact scores). Top-K with global passage indices and the scores of the
+    positives it holds go to ``topk_rank{r}.npz`` (what the index resolved to:
+    ``index_rank{r}.json``). Held at once: the queries ``[Q, D]``, the running top-K
+    ``[Q, K]``, one shard (or, approximate, the index itself)."""
+    from retromae_ds.search.exact import rescore
 
     cfg, timings = job.cfg, job.timings
     faults.crash("crash_in_refresh_at", "search")
     t0 = time.perf_counter()
-    dim = queries.shape[1]
     n = sum(shard.rows for shard in shards)
     lo = shards[0].lo if shards else 0
-    rows = ShardRows(shards, dim)
+    rows = ShardRows(shards, queries.shape[1])
     k = min(job.top_k(), max(1, n))
-    choice = index_choice(cfg, n, dim, k) if shards else None  # a rank without shards: none
+    index = (job.index or rank_index(job, shards)) if shards else None  # none without shards
+    job.index = None
     record = job.part("index").with_suffix(".json")
     with writing(record, "the index record"):
-        atomic_write_text(record, json.dumps(choice.record() if choice else None))
-    device = pick_device(cfg, job.group.local_rank)  # torch backend: this rank's device
-    bar = dict(desc=f"search r{job.group.rank}", unit="shard", disable=not cfg.progress)
-    if not shards:
+        atomic_write_text(record, json.dumps(index.choice.record() if index else None))
+    if index is None:
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         ids = np.full((len(queries), k), -1, dtype=np.int64)
-    elif choice.exact:
-        blocks = (embed_shards.as_float32(embed_shards.open_shard(s)) for s in tqdm(shards, **bar))
-        scores, ids = search_blocks(
-            queries, blocks, k, backend=cfg.search_backend, device=device, query_batch=QUERY_BATCH
-        )
     else:
-        index = build_index(
-            cfg.index, dim=dim, n=n, backend=cfg.search_backend, device=device, nprobe=cfg.nprobe,
-            ef_search=cfg.ef_search, train_size=cfg.train_size, seed=cfg.mining.seed,
-            prefix=cfg.OPTIONS,
-        )  # fmt: skip
         count = index.training_vectors(n)
         if count:  # the sample ApproximateIndex.train would draw from all n vectors
             sample = np.arange(n)
@@ -570,16 +563,17 @@ def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
                 sample = np.sort(np.random.default_rng(cfg.mining.seed).choice(n, count, False))
             index.train(rows[sample])
             del sample
-        for shard in tqdm(shards, **bar):
-            index.add(embed_shards.as_float32(embed_shards.open_shard(shard)))
-        timings["index_build_s"] = time.perf_counter() - t0
-        scores = np.empty((len(queries), k), dtype=np.float32)
-        ids = np.empty((len(queries), k), dtype=np.int64)
-        for s in range(0, len(queries), QUERY_BATCH):
-            batch = slice(s, s + QUERY_BATCH)
-            scores[batch], ids[batch] = rescore(
-                queries[batch], rows, index.search(queries[batch], k)[1]
-            )
+        bar = dict(desc=f"search r{job.group.rank}", unit="shard", disable=not cfg.progress)
+        parts = (embed_shards.as_float32(embed_shards.open_shard(s)) for s in tqdm(shards, **bar))
+
+        def built() -> None:  # an index that holds the shards: they are all in it now
+            timings["index_build_s"] = time.perf_counter() - t0
+
+        scores, ids = index.search_parts(queries, parts, k, query_batch=QUERY_BATCH, filled=built)
+        if not index.exact:  # approximate scores (PQ codes): the exact ones of its top-K
+            for s in range(0, len(queries), QUERY_BATCH):
+                batch = slice(s, s + QUERY_BATCH)
+                scores[batch], ids[batch] = rescore(queries[batch], rows, ids[batch])
         del index
     ids = np.where(ids >= 0, ids + lo, -1)
     pos_scores = positive_scores(queries, rows, lo, job.ts.positives)

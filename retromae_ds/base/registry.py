@@ -65,8 +65,12 @@ class Registry(Generic[T]):
             self._load_added()
         return _key(name) in self._entries
 
-    def names(self) -> tuple[str, ...]:
-        """The registered names, in registration order (the library's first)."""
+    def names(self, installed: bool = False) -> tuple[str, ...]:
+        """The registered names, in registration order (the library's first); with
+        ``installed``, the installed packages' entry points are registered first (what a
+        ``--help`` or an error message lists)."""
+        if installed:
+            self._load_added()
         return tuple(self._entries)
 
     def __iter__(self) -> Iterator[str]:

@@ -5,13 +5,14 @@
 pre-training loop evaluating its own encoder). Calling it encodes in batches of texts of
 similar length (longest first, so padding is small and an out-of-memory error shows at once),
 under ``torch.inference_mode`` with a tqdm bar, and returns float32 ``[N, D]`` in input order.
-Pooling is the first token (``"cls"``, the RetroMAE sentence embedding), the mask-weighted
-mean (``"mean"``, sentence-transformers models), DupMAE's ordinary-token vector
-(``"dupmae_bow"``: the MLM head over each ordinary token, max-pooled, its ``bow_topk``
-largest entries kept, D = |V|) or [CLS] and that vector concatenated (``"dupmae"``, D = H + |V|,
-the paper's representation; ``retromae_ds.modeling.bow``). The DupMAE poolings need a
-masked-LM model (its MLM head); ``from_dir`` loads one for them. ``normalize`` scales rows to
-unit length.
+Pooling is any registered one (``retromae_ds.hf.pooling``): the first token (``"cls"``, the
+RetroMAE sentence embedding), the mask-weighted mean (``"mean"``, sentence-transformers
+models), DupMAE's ordinary-token vector (``"dupmae_bow"``: the MLM head over each ordinary
+token, max-pooled, its ``bow_topk`` largest entries kept, D = |V|), [CLS] and that vector
+concatenated (``"dupmae"``, D = H + |V|, the paper's representation;
+``retromae_ds.modeling.bow``), or an installed package's. A pooling that needs the MLM head
+needs a masked-LM model; ``from_dir`` loads one for it. ``normalize`` scales rows to unit
+length.
 
 A text longer than ``cut_chars(max_length)`` characters is cut before it is tokenized
 (``bounded_texts``: the tokenizer holds ~100 bytes a character, so one 10 MB document took
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -33,12 +33,13 @@ from tqdm.auto import tqdm
 
 from retromae_ds.data.rows import split_long_texts
 from retromae_ds.hf import sbert
+from retromae_ds.hf.pooling import DEFAULT_POOLING, get_pooling
+from retromae_ds.hf.pooling import pool as pool  # the one definition, where callers met it
 from retromae_ds.hf.util import load_tokenizer_checked
 from retromae_ds.modeling.bow import bow_vectors
 from retromae_ds.modeling.load import load_pretrained, load_with_head
 
 Encoder = Callable[[list[str]], np.ndarray]
-Pooling = Literal["cls", "mean", "dupmae", "dupmae_bow"]
 
 
 CHARS_PER_TOKEN = 16
@@ -89,32 +90,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
-def pool(
-    hidden_BLD: torch.Tensor,
-    attention_mask_BL: torch.Tensor,
-    pooling: Pooling,
-    bow_BV: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Sentence embeddings ``[B, D]`` from the last hidden states; the DupMAE poolings also
-    from the batch's ordinary-token vectors ``bow_BV`` (``modeling.bow.bow_vectors``, which
-    needs the MLM head and the token ids)."""
-    if pooling == "cls":
-        return hidden_BLD[:, 0]
-    if pooling == "mean":
-        mask_BL1 = attention_mask_BL.unsqueeze(-1).to(hidden_BLD.dtype)
-        return (hidden_BLD * mask_BL1).sum(1) / mask_BL1.sum(1).clamp(min=1)
-    if pooling in sbert.HEAD_POOLINGS:
-        if bow_BV is None:
-            raise ValueError(
-                f"pooling {pooling!r} needs the encoder's MLM head and the token ids: encode "
-                "with HFEncoder (a masked-LM model) or modeling.bow.bow_vectors"
-            )
-        if pooling == "dupmae_bow":
-            return bow_BV
-        return torch.cat([hidden_BLD[:, 0].to(bow_BV.dtype), bow_BV], dim=-1)
-    raise ValueError(f"pooling must be one of {', '.join(sbert.POOLINGS)}, got {pooling!r}")
-
-
 class HFEncoder:
     """A Hugging Face encoder as an ``Encoder`` callable.
 
@@ -122,8 +97,9 @@ class HFEncoder:
         model: a transformers model whose output has ``last_hidden_state`` (or a tuple whose
             first element is it). It is not moved unless ``device`` says so.
         tokenizer: the matching tokenizer (fast or slow).
-        pooling: ``"cls"``, ``"mean"``, ``"dupmae_bow"`` or ``"dupmae"`` (those two need a
-            masked-LM ``model``: its MLM head; the hidden states come from its body).
+        pooling: a registered pooling's name (``retromae_ds.hf.pooling``); one that needs
+            the MLM head (``"dupmae_bow"``, ``"dupmae"``) needs a masked-LM ``model``: its
+            head; the hidden states come from its body.
         normalize: L2-normalise the embeddings.
         bow_topk: DupMAE poolings: entries of the bag-of-words vector kept (0: all).
         max_length: tokens per text, special tokens included (longer texts are truncated,
@@ -141,7 +117,7 @@ class HFEncoder:
         model: torch.nn.Module,
         tokenizer,
         *,
-        pooling: Pooling = "cls",
+        pooling: str = DEFAULT_POOLING,
         normalize: bool = False,
         bow_topk: int = sbert.DEFAULT_BOW_TOPK,
         max_length: int = 512,
@@ -150,7 +126,7 @@ class HFEncoder:
         amp_dtype: torch.dtype | None = None,
         progress: bool = True,
     ) -> None:
-        sbert.check_pooling(pooling, auto=False)
+        pooling = sbert.check_pooling(pooling, auto=False)
         if bow_topk < 0:
             raise ValueError(f"bow_topk must be >= 0, got {bow_topk}")
         if max_length < 2 or batch_size < 1:
@@ -172,7 +148,7 @@ class HFEncoder:
                 self.max_length, self.capped_by = limit, reason
         self.pooling, self.normalize, self.batch_size = pooling, normalize, batch_size
         self.amp_dtype, self.progress, self.bow_topk = amp_dtype, progress, bow_topk
-        if pooling in sbert.HEAD_POOLINGS:
+        if get_pooling(pooling).needs_head:
             self._check_head(pooling)
 
     @classmethod
@@ -190,7 +166,7 @@ class HFEncoder:
         (``eval.towers``), loaded as it is. A folder without a usable tokenizer is a
         ``ValueError`` (``load_tokenizer_checked``). A DupMAE pooling loads the masked-LM
         model (a folder without an MLM head is a ``ValueError``) with the folder's own
-        ``bow_topk`` unless one is given."""
+        ``bow_topk`` unless one is given (any pooling that needs the MLM head)."""
         from transformers import AutoModel
 
         from retromae_ds.components.checkpoint import resolve_encoder
@@ -198,7 +174,7 @@ class HFEncoder:
         if not resolved:  # a checkpoint's encoder checked against its record
             model_dir = resolve_encoder(model_dir)
         tokenizer = load_tokenizer_checked(model_dir)
-        if kwargs.get("pooling") in sbert.HEAD_POOLINGS:
+        if get_pooling(kwargs.get("pooling", DEFAULT_POOLING)).needs_head:
             kwargs.setdefault("bow_topk", sbert.read_spec(model_dir).bow_topk)
             model = load_with_head(model_dir)
         else:
@@ -219,7 +195,7 @@ class HFEncoder:
     def dim_of(self, pooling: str) -> int:
         """Entries of one embedding with ``pooling``."""
         config = self.model.config
-        return sbert.embedding_dim(pooling, int(config.hidden_size), int(config.vocab_size))
+        return get_pooling(pooling).dim(int(config.hidden_size), int(config.vocab_size))
 
     @property
     def dim(self) -> int:
@@ -230,17 +206,14 @@ class HFEncoder:
         return self.encode_pools(texts, (self.pooling,), desc)[self.pooling]
 
     def encode_pools(
-        self, texts: Sequence[str], poolings: Sequence[Pooling], desc: str = "encode"
+        self, texts: Sequence[str], poolings: Sequence[str], desc: str = "encode"
     ) -> dict[str, np.ndarray]:
         """One forward pass per batch, several poolings of it: ``{pooling: [len(texts), D]}``
         float32 (e.g. CLS and mean side by side at the cost of one encoding)."""
-        bad = [p for p in poolings if p not in sbert.POOLINGS]
-        if bad or not poolings:
-            raise ValueError(
-                f"poolings must be among {', '.join(sbert.POOLINGS)}, got {list(poolings)!r}"
-            )
+        if isinstance(poolings, str) or not poolings:
+            raise ValueError(f"poolings: expected a list of poolings, got {poolings!r}")
         for name in poolings:
-            if name in sbert.HEAD_POOLINGS:
+            if get_pooling(name, "poolings").needs_head:
                 self._check_head(name)
         texts = list(texts)
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
@@ -263,7 +236,7 @@ class HFEncoder:
             self.model.train(was_training)
         return out
 
-    def _encode_batch(self, texts: list[str], poolings: Sequence[Pooling]) -> dict[str, np.ndarray]:
+    def _encode_batch(self, texts: list[str], poolings: Sequence[str]) -> dict[str, np.ndarray]:
         batch = self.tokenizer(
             bounded_texts(self.tokenizer, texts, self.max_length),
             padding=True,
@@ -281,7 +254,7 @@ class HFEncoder:
             hidden_BLD = (
                 output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
             )
-            if any(name in sbert.HEAD_POOLINGS for name in poolings):
+            if any(get_pooling(name).needs_head for name in poolings):
                 special_ids = torch.tensor(sorted(set(self.tokenizer.all_special_ids)))
                 bow_BV = bow_vectors(
                     self.model,
@@ -293,7 +266,7 @@ class HFEncoder:
                 )
         out = {}
         for name in poolings:
-            emb_BD = pool(hidden_BLD, batch["attention_mask"], name, bow_BV).float()
+            emb_BD = get_pooling(name)(hidden_BLD, batch["attention_mask"], bow_BV).float()
             if self.normalize:
                 emb_BD = torch.nn.functional.normalize(emb_BD, dim=-1)
             out[name] = emb_BD.cpu().numpy()

@@ -30,6 +30,7 @@ import torch
 from retromae_ds.eval.beir import BeirData, check_beir, load_beir
 from retromae_ds.eval.metrics import TRAINING_MEASURES, check_measures
 from retromae_ds.hf import sbert
+from retromae_ds.hf.pooling import CLS, MEAN, check_pooling
 
 
 @dataclass(kw_only=True)
@@ -51,10 +52,11 @@ class PeriodicEvalConfig:
     corpus: compare runs with each other, not with published numbers."""
     sample_seed: int = 0
     """Seed of the sample (independent of the run's seed: every run sees the same sample)."""
-    poolings: list[str] = field(default_factory=lambda: ["cls", "mean"])
-    """Sentence embeddings scored, from one encoding pass: cls, mean, dupmae_bow, dupmae
-    (the DupMAE poolings go through the MLM head, any objective's; their vectors have |V|
-    entries: mind ``max_docs``)."""
+    poolings: list[str] = field(default_factory=lambda: [CLS.name, MEAN.name])
+    """Sentence embeddings scored, from one encoding pass: any registered pooling
+    (``retromae_ds.hf.pooling``: cls, mean, dupmae_bow, dupmae, an installed package's; the
+    DupMAE poolings go through the MLM head, any objective's; their vectors have |V| entries:
+    mind ``max_docs``)."""
     measures: list[str] = field(default_factory=lambda: list(TRAINING_MEASURES))
     """Ranking measures logged per pooling, each name@k (as retromae-ds eval --measures); the
     first is the one the trainer's progress line shows."""
@@ -68,11 +70,9 @@ class PeriodicEvalConfig:
     """Encode under bf16 autocast (faster on GPUs and AVX-512 CPUs)."""
 
     def __post_init__(self) -> None:
-        bad = [p for p in self.poolings if p not in sbert.POOLINGS]
-        if bad or not self.poolings:
-            raise ValueError(
-                f"eval.poolings must be among {', '.join(sbert.POOLINGS)}, got {self.poolings!r}"
-            )
+        if isinstance(self.poolings, str) or not self.poolings:
+            raise ValueError(f"eval.poolings: expected a list of poolings, got {self.poolings!r}")
+        self.poolings = [check_pooling(p, "eval.poolings", auto=False) for p in self.poolings]
         self.measures = check_measures(self.measures, "eval.measures")
         if self.bow_topk < 0:
             raise ValueError(f"eval.bow_topk must be >= 0, got {self.bow_topk}")

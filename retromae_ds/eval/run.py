@@ -1,14 +1,16 @@
-"""Dense-retrieval evaluation on a BEIR dataset: encode, exact search, metrics, report.
+"""Dense-retrieval evaluation on a BEIR dataset: encode, search, metrics, report.
 
 ``evaluate_beir(model_dir_or_encoder, beir_dir, split="test")`` encodes the corpus and the
-split's queries, searches the top ``max(k)`` documents per query by exact inner product
-(``retromae_ds.search.exact``), computes the measures asked (default nDCG@10, MRR@10,
-Recall@100/1000; any measure registered in ``retromae_ds.eval.metrics``), prints a small table
+split's queries, searches the top ``max(k)`` documents per query by inner product with the
+index ``index`` names (``retromae_ds.search``; default ``flat``, exact search; any setting of
+the refresher's ``refresh.index``, with ``nprobe`` / ``ef_search`` / ``train_size``),
+computes the measures asked (default nDCG@10, MRR@10, Recall@100/1000; any measure
+registered in ``retromae_ds.eval.metrics``), prints a small table
 and optionally writes everything (means, per-query values, settings, timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
-    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|cls|mean|dupmae|dupmae_bow] [--normalize]
-                     [--measures ndcg@10 recall@100 ...]
+    retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|POOLING] [--normalize]
+                     [--measures ndcg@10 recall@100 ...] [--index flat|ivf|hnsw|IVF4096,Flat|... [--nprobe N]]
                      [--rerank [--rerank_negatives N | --candidates FILE]] [--ignore_identical_ids false]
 
 A model with separate towers (a fine-tuning run with ``--model.shared false``, one of its
@@ -58,8 +60,11 @@ from retromae_ds.eval.rerank import (
 from retromae_ds.eval.result_file import check_out, write_result
 from retromae_ds.eval.towers import Towers, load_newest
 from retromae_ds.hf import sbert
-from retromae_ds.search.arrays import Backend, Metric
-from retromae_ds.search.exact import ExactIndex
+from retromae_ds.hf.pooling import Choices, check_pooling
+from retromae_ds.search.arrays import Backend, Metric, check_matrix
+from retromae_ds.search.build import build
+from retromae_ds.search.index import IndexChoice, spelled_as
+from retromae_ds.search.kinds import IndexSetting, index_setting
 
 DEFAULT_MAX_LENGTH = 512
 """Tokens per text for a model that records no length of its own."""
@@ -75,8 +80,10 @@ def retrieve(
     metric: Metric = "ip",
     backend: Backend = "auto",
     ignore_identical_ids: bool = True,
+    index: IndexSetting | None = None,
 ) -> Run:
-    """``{qid: {doc id: score}}``, the top k documents of each query by exact search.
+    """``{qid: {doc id: score}}``, the top k documents of each query by the index ``index``
+    names (None: exact search on ``backend``; a setting carries its own backend).
 
     ``ignore_identical_ids`` drops a document whose id equals the query id (BEIR's default,
     for datasets such as ArguAna and Quora where a query is also in the corpus); one extra
@@ -91,6 +98,7 @@ def retrieve(
         metric=metric,
         backend=backend,
         ignore_identical_ids=ignore_identical_ids,
+        index=index,
     )[0]
 
 
@@ -104,12 +112,20 @@ def retrieve_counting(
     metric: Metric = "ip",
     backend: Backend = "auto",
     ignore_identical_ids: bool = True,
-) -> tuple[Run, int]:
-    """``retrieve``, and how many retrieved documents ``ignore_identical_ids`` dropped."""
+    index: IndexSetting | None = None,
+) -> tuple[Run, int, IndexChoice]:
+    """``retrieve``, how many retrieved documents ``ignore_identical_ids`` dropped, and what
+    the index setting resolved to for this corpus."""
     if len(query_ids) != len(query_emb_QD) or len(corpus_ids) != len(corpus_emb_ND):
         raise ValueError("ids and embeddings differ in length")
-    index = ExactIndex.build(corpus_emb_ND, metric=metric, backend=backend)
-    scores_QK, ids_QK = index.search(query_emb_QD, k + 1 if ignore_identical_ids else k)
+    corpus_emb_ND = check_matrix(corpus_emb_ND, "embeddings")
+    depth = k + 1 if ignore_identical_ids else k
+    setting = index or index_setting("flat", backend=backend)
+    searcher = build(
+        setting, n=len(corpus_emb_ND), dim=corpus_emb_ND.shape[1], k=depth, metric=metric
+    )
+    searcher.add(corpus_emb_ND)
+    scores_QK, ids_QK = searcher.search(query_emb_QD, depth)
     run: dict[str, dict[str, float]] = {}
     dropped = 0
     for qid, scores, rows in zip(query_ids, scores_QK.tolist(), ids_QK.tolist(), strict=True):
@@ -122,7 +138,8 @@ def retrieve_counting(
             else:
                 docs[corpus_ids[row]] = score
         run[qid] = docs
-    return run, dropped
+    assert searcher.choice is not None
+    return run, dropped, searcher.choice
 
 
 def identical_judged(data: BeirData) -> int:
@@ -217,6 +234,14 @@ class ScoreSettings:
     given; the search depth is the largest k."""
     metric: Metric = "ip"
     backend: Backend = "auto"
+    index: str | IndexSetting = "flat"
+    """The index searched (``retromae_ds.search.kinds``): ``flat`` (exact), ``ivf``,
+    ``ivfpq``, ``hnsw``, ``auto`` or a faiss index_factory string, with ``backend``,
+    ``nprobe``, ``ef_search`` and ``train_size``; or an ``IndexSetting`` already checked,
+    which carries its own."""
+    nprobe: int = 0
+    ef_search: int = 0
+    train_size: int = 0
     ignore_identical_ids: bool = True
     """Drop a retrieved document whose id is its query's (BEIR's default)."""
     rerank: bool = False
@@ -227,6 +252,11 @@ class ScoreSettings:
 
     def __post_init__(self) -> None:
         check_measures(self.measures, "measures")  # before anything is loaded or encoded
+        if not isinstance(self.index, IndexSetting):
+            self.index = index_setting(
+                self.index, backend=self.backend, nprobe=self.nprobe, ef_search=self.ef_search,
+                train_size=self.train_size,
+            )  # fmt: skip
 
 
 def split_settings(settings: dict[str, Any]) -> tuple[EncodeSettings, ScoreSettings]:
@@ -267,7 +297,7 @@ def evaluate_beir(
         verbose: print the summary table.
         settings: the fields of :class:`EncodeSettings` (pooling, normalize, max_length,
             batch_size, device, amp_dtype, progress) and :class:`ScoreSettings` (measures,
-            metric, backend, ignore_identical_ids, rerank, rerank_negatives, candidates).
+            metric, backend, index and its settings, ignore_identical_ids, rerank, ...).
 
     Raises ``ValueError`` for an empty corpus, no judged queries, or no judged document in the
     corpus; judged documents missing from the corpus are counted, with a warning on stderr.
@@ -308,6 +338,7 @@ def evaluate_beir(
             if encode_cfg.amp_dtype
             else None,
             "metric": score_cfg.metric,
+            "index": scores.index.record(),
             "ignore_identical_ids": score_cfg.ignore_identical_ids,
             "dim": int(emb.corpus.shape[1]),
             # where the encoder ran (an encoder given as a callable: not known here)
@@ -355,15 +386,19 @@ class Scores:
     dropped: int
     judged_identical: int
     reranked: dict[str, Any] | None
+    index: IndexChoice
+    """What the index setting resolved to for this corpus."""
 
 
 def score(data: BeirData, emb: Embeddings, cfg: ScoreSettings, seconds: dict[str, float]) -> Scores:
-    """Exact search of every query, its metrics, the identical-ids line when it dropped or
-    misses anything, and the reranking when asked (their seconds into ``seconds``)."""
+    """The search of every query (``cfg.index``), its metrics, the identical-ids line when it
+    dropped or misses anything, and the reranking when asked (their seconds into
+    ``seconds``)."""
     t = time.perf_counter()
-    run, dropped = retrieve_counting(
+    run, dropped, index = retrieve_counting(
         emb.query, emb.corpus, data.query_ids, data.corpus_ids, max_cutoff(cfg.measures),
         metric=cfg.metric, backend=cfg.backend, ignore_identical_ids=cfg.ignore_identical_ids,
+        index=cfg.index,
     )  # fmt: skip
     mean, per_query = evaluate_run(data.qrels, run, cfg.measures)
     seconds["search_and_metrics"] = time.perf_counter() - t
@@ -382,7 +417,7 @@ def score(data: BeirData, emb: Embeddings, cfg: ScoreSettings, seconds: dict[str
         t = time.perf_counter()
         reranked = _rerank(data, emb.query, emb.corpus, cfg.candidates, cfg.rerank_negatives)
         seconds["rerank"] = time.perf_counter() - t
-    return Scores(mean, per_query, dropped, judged_identical, reranked)
+    return Scores(mean, per_query, dropped, judged_identical, reranked, index)
 
 
 def _report(result: dict[str, Any], out_json: str | Path | None, verbose: bool) -> None:
@@ -514,9 +549,10 @@ class EvalConfig:
     """BEIR dataset folder (corpus/queries/qrels)."""
     split: str = "test"
     """Qrels split."""
-    pooling: str = flag("auto", choices=("auto", "cls", "mean", "dupmae", "dupmae_bow"))
-    """Sentence embedding (auto: the model's own, read from its sentence-transformers files,
-    else cls)."""
+    pooling: str = flag("auto", choices=Choices())
+    """Sentence embedding: auto (the model's own, read from its sentence-transformers files,
+    else cls) or a registered pooling (retromae_ds.hf.pooling: the library's or an installed
+    package's)."""
     normalize: bool | None = None
     """L2-normalise embeddings, cosine (none: the model's own, else no)."""
     max_length: int | None = None
@@ -542,14 +578,44 @@ class EvalConfig:
     """Ranking measures reported, each name@k: ndcg, mrr, recall, map (or any measure
     registered with retromae_ds.eval.metrics.register_measure); the search depth is the largest
     k."""
+    index: str = "flat"
+    """The index searched: flat (exact), or any refresh.index setting: ivf, ivfpq, hnsw, auto
+    (flat below 200,000 documents) or a faiss index_factory string (IVF4096,Flat,
+    HNSW32,Flat, ...); the result records what it resolved to."""
+    nprobe: int = 0
+    """IVF lists probed per query (0: auto, 1/8 of the lists); IVF indexes only."""
+    ef_search: int = 0
+    """HNSW candidate-list size per query (0: auto, 4 x the search depth, at least 64)."""
+    train_size: int = 0
+    """Documents sampled to train an IVF or PQ index (0: auto, 64 per list or code)."""
 
     def __post_init__(self) -> None:
+        self.pooling = check_pooling(self.pooling, "--pooling")
         self.measures = check_measures(self.measures, "--measures")
+        with spelled_as(self.option):  # checked once, here; sized to the corpus after loading
+            self.index_setting = index_setting(
+                self.index, nprobe=self.nprobe, ef_search=self.ef_search,
+                train_size=self.train_size,
+            )  # fmt: skip
+
+    @staticmethod
+    def option(setting: str) -> str:
+        """How ``eval`` spells ``retromae_ds.search``'s setting ``setting`` (``--nprobe``)."""
+        return f"--{setting}"
+
+
+INDEX_OPTIONS = ("index", "nprobe", "ef_search", "train_size")
+"""``EvalConfig``'s index options, handed to ``evaluate_beir`` as one checked setting."""
 
 
 def eval_command(cfg: EvalConfig) -> int:
     """``retromae-ds eval``; returns the exit status. Every field of ``EvalConfig`` but the
-    model, folder, split and output file is a setting of ``evaluate_beir`` of the same name."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("model", "beir", "split", "out")}
-    evaluate_beir(cfg.model, cfg.beir, cfg.split, out_json=cfg.out, **settings)
+    model, folder, split and output file is a setting of ``evaluate_beir`` of the same name
+    (the index options as the ``IndexSetting`` checked when the config was built)."""
+    skip = ("model", "beir", "split", "out", *INDEX_OPTIONS)
+    settings = {k: v for k, v in asdict(cfg).items() if k not in skip}
+    with spelled_as(cfg.option):  # what the corpus cannot satisfy, named as eval's option
+        evaluate_beir(
+            cfg.model, cfg.beir, cfg.split, out_json=cfg.out, index=cfg.index_setting, **settings
+        )
     return 0

@@ -19,9 +19,12 @@ top-k), which this module and ``HFEncoder.from_dir`` read before ``modules.json`
 ``modules.json`` names CLS pooling, so a plain ``SentenceTransformer(folder)`` gives the [CLS]
 vector only, the first H entries of ``dupmae`` and not ``dupmae_bow`` at all.
 
-A module these encoders cannot reproduce (a Dense projection, max or last-token pooling) is
-a ``ValueError`` naming the file and the field: silently dropping it would give embeddings
-that differ from the model's.
+The poolings themselves (names, which need the MLM head, their sizes, their arithmetic and
+the sentence-transformers flag each is written as) are ``retromae_ds.hf.pooling``'s registry;
+this module only reads and writes the files. A module these encoders cannot reproduce (a
+Dense projection, or a pooling mode no registered pooling computes: max or last-token) is a
+``ValueError`` naming the file and the field: silently dropping it would give embeddings that
+differ from the model's.
 
 ``write_files`` writes the same files for an encoder this tool saves, so sentence-transformers
 loads it with its pooling, normalisation and length.
@@ -44,12 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retromae_ds.hf import pooling as poolings
+from retromae_ds.hf.pooling import AUTO, CLS, DEFAULT_POOLING, for_st_mode, get_pooling
+
 DUAL_ENCODER_FILE = "dual_encoder.json"
 DUPMAE_FILE = "dupmae_pooling.json"
-POOLINGS = ("cls", "mean", "dupmae", "dupmae_bow")
-"""Sentence embeddings an encoder folder can be read with (see the module doc)."""
-HEAD_POOLINGS = ("dupmae", "dupmae_bow")
-"""Poolings that need the encoder's MLM head: its folder must keep it."""
+"""The settings of a pooling sentence-transformers cannot express (DupMAE's, or any without
+an ``st_mode``), read before ``modules.json``."""
 DEFAULT_BOW_TOPK = 256
 """Entries of the DupMAE vector kept (the paper's top-k sparsification; 0 keeps all |V|)."""
 
@@ -57,7 +61,17 @@ DEFAULT_BOW_TOPK = 256
 def embedding_dim(pooling: str, hidden_size: int, vocab_size: int) -> int:
     """Entries of one embedding pooled with ``pooling`` from an encoder of ``hidden_size``
     whose MLM head predicts ``vocab_size`` tokens (DupMAE's ordinary-token vector: V)."""
-    return {"dupmae_bow": vocab_size, "dupmae": hidden_size + vocab_size}.get(pooling, hidden_size)
+    return get_pooling(pooling).dim(hidden_size, vocab_size)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``POOLINGS`` / ``HEAD_POOLINGS``: the registered poolings' names (those that need the
+    MLM head), read from ``retromae_ds.hf.pooling`` when asked."""
+    if name == "POOLINGS":
+        return poolings.pooling_names()
+    if name == "HEAD_POOLINGS":
+        return poolings.head_pooling_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 MODULES_FILE = "modules.json"
@@ -67,19 +81,20 @@ NORMALIZE_DIR = "2_Normalize"
 LENGTH_FILE = "sentence_bert_config.json"
 
 _MODULE = "sentence_transformers.models."
-_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"}
-_UNSUPPORTED_MODES = (
+_MODE_PREFIX = "pooling_mode_"
+_WRITTEN_MODES = (
+    "pooling_mode_cls_token",
+    "pooling_mode_mean_tokens",
     "pooling_mode_max_tokens",
     "pooling_mode_mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens",
-    "pooling_mode_lasttoken",
 )
+"""The mode flags every written ``1_Pooling/config.json`` holds (the pooling's own true)."""
 
 
 @dataclass(frozen=True)
 class EmbeddingSpec:
     pooling: str
-    """One of ``POOLINGS``."""
+    """A registered pooling's name (``retromae_ds.hf.pooling.POOLINGS``)."""
     normalize: bool
     max_length: int | None
     """Tokens per text the encoder was made to read (None: not recorded)."""
@@ -112,16 +127,16 @@ def _pooling_mode(path: Path) -> str:
     config = _read_json(path)
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    used = [name for name in _UNSUPPORTED_MODES if config.get(name)]
-    if used:
-        raise ValueError(f"{path}: {used[0]} is not supported (only CLS or mean pooling)")
-    modes = [mode for name, mode in _MODES.items() if config.get(name)]
-    if len(modes) != 1:
-        raise ValueError(
-            f"{path}: exactly one of pooling_mode_cls_token / pooling_mode_mean_tokens must "
-            f"be true (found {len(modes)})"
-        )
-    return modes[0]
+    used = [key for key, on in config.items() if key.startswith(_MODE_PREFIX) and on]
+    found = [for_st_mode(key) for key in used]
+    expressible = [p for p in poolings.registered() if p.st_mode is not None]
+    if None in found:
+        names = " or ".join(p.name for p in expressible)
+        raise ValueError(f"{path}: {used[found.index(None)]} is not supported (only {names})")
+    if len(found) != 1:
+        flags = " / ".join(str(p.st_mode) for p in expressible)
+        raise ValueError(f"{path}: exactly one of {flags} must be true (found {len(found)})")
+    return found[0].name
 
 
 def _module_name(kind: str) -> str:
@@ -227,25 +242,20 @@ def read_spec(folder: str | Path) -> EmbeddingSpec:
         settings = _read_json(settings_file)
         if not isinstance(settings, dict):
             raise ValueError(f"{settings_file}: expected a JSON object")
-        pooling = settings.get("pooling")
-        if pooling not in POOLINGS:
-            raise ValueError(
-                f"{settings_file}: pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}"
-            )
+        pooling = poolings.check_pooling(settings.get("pooling"), str(settings_file), auto=False)
         normalize = bool(settings.get("normalize"))
         topk = _topk(settings_file, settings)
         return EmbeddingSpec(pooling, normalize, length, str(settings_file), topk)
     if (folder / MODULES_FILE).is_file():
         pooling, normalize, source = _from_modules(folder)
         return EmbeddingSpec(pooling, normalize, length, source)
-    return EmbeddingSpec("cls", False, length, "default")
+    return EmbeddingSpec(DEFAULT_POOLING, False, length, "default")
 
 
-def check_pooling(pooling: str, auto: bool = True) -> None:
-    """A ``ValueError`` naming the choices unless ``pooling`` is one (or ``auto``)."""
-    choices = (("auto",) if auto else ()) + POOLINGS
-    if pooling not in choices:
-        raise ValueError(f"pooling must be one of {', '.join(choices)}, not {pooling!r}")
+def check_pooling(pooling: str, auto: bool = True) -> str:
+    """``pooling``'s canonical name; a ``ValueError`` naming the choices unless it is a
+    registered pooling (or ``auto``)."""
+    return poolings.check_pooling(pooling, "pooling", auto=auto)
 
 
 def resolve(
@@ -256,12 +266,12 @@ def resolve(
 ) -> EmbeddingSpec:
     """``read_spec(folder)`` with the explicit settings put over it (``auto`` / None: the
     folder's own)."""
-    check_pooling(pooling)
+    pooling = check_pooling(pooling)
     if bow_topk is not None and bow_topk < 0:
         raise ValueError(f"bow_topk must be >= 0, not {bow_topk}")
     spec = read_spec(folder)
     return EmbeddingSpec(
-        spec.pooling if pooling == "auto" else pooling,
+        spec.pooling if pooling == AUTO else pooling,
         spec.normalize if normalize is None else normalize,
         spec.max_length,
         spec.source,
@@ -280,22 +290,24 @@ def write_files(
     query_tower: str | None = None,
 ) -> None:
     """``modules.json``, ``1_Pooling/config.json``, ``sentence_bert_config.json`` (and the
-    Normalize module when ``normalize``) into a Hugging Face encoder folder; for a DupMAE
-    pooling also ``dupmae_pooling.json``, with CLS pooling in the sentence-transformers files
+    Normalize module when ``normalize``) into a Hugging Face encoder folder; for a pooling
+    sentence-transformers cannot compute (DupMAE's: no ``st_mode``, or one that needs the MLM
+    head) also ``dupmae_pooling.json``, with CLS pooling in the sentence-transformers files
     (see the module doc). ``query_tower``: the sub-folder holding a separate query tower (a
     Hugging Face folder already there): the first module is then a Router sending queries
     to it and documents to this folder's own weights."""
-    check_pooling(pooling, auto=False)
-    if pooling in HEAD_POOLINGS:
+    chosen = get_pooling(check_pooling(pooling, auto=False))
+    mode = chosen.st_mode
+    if mode is None or chosen.needs_head:
         record = {
-            "pooling": pooling,
+            "pooling": chosen.name,
             "normalize": normalize,
             "bow_topk": bow_topk,
             "note": "read by retromae_ds (HFEncoder.from_dir, retromae-ds eval); a plain "
             "SentenceTransformer load gives the [CLS] vector only",
         }
         (folder / DUPMAE_FILE).write_text(json.dumps(record, indent=2))
-        pooling = "cls"
+        mode = CLS.st_mode
     else:
         (folder / DUPMAE_FILE).unlink(missing_ok=True)
     modules = [
@@ -322,11 +334,6 @@ def write_files(
         json.dumps({"max_seq_length": max_length, "do_lower_case": False}, indent=2)
     )
     (folder / POOLING_DIR).mkdir(exist_ok=True)
-    config = {
-        "word_embedding_dimension": dim,
-        "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean",
-        "pooling_mode_max_tokens": False,
-        "pooling_mode_mean_sqrt_len_tokens": False,
-    }
+    config = {"word_embedding_dimension": dim, **{key: key == mode for key in _WRITTEN_MODES}}
+    config[str(mode)] = True  # a registered pooling's mode beyond the usual four
     (folder / POOLING_DIR / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,17 +1,22 @@
 """Nearest-neighbour search over dense embeddings, for the refresher's search stage and for
-``eval``:
+``eval``, through one protocol:
 
+- ``index``: ``Index`` (what every index keeps: add, search, train, search_parts),
+  ``IndexChoice`` (what a setting resolved to), ``SettingError`` / ``spelled_as`` (errors
+  that the command reading the settings re-raises with its own option names);
 - ``exact``: ``ExactIndex`` (faiss flat or torch matmul + top-k; blocks merged exactly),
   ``search_blocks`` (shards loaded one at a time), ``rescore`` (exact scores of candidates);
 - ``approximate``: ``ApproximateIndex`` (any faiss ``index_factory`` index, trained on a sample);
-- ``kinds``: the ``index`` setting's named kinds and the ``auto`` rule (no faiss);
-- ``build``: ``resolve_index`` / ``build_index``, the setting to an index;
+- ``kinds``: ``index_setting`` (the ``index`` setting checked once: an ``IndexSetting``), the
+  named kinds and the ``auto`` rule (no faiss);
+- ``build``: ``build`` (an ``IndexSetting`` sized to a corpus: the empty index, built once),
+  ``resolve_index`` / ``build_index`` from plain settings;
 - ``merge``: ``merge_topk``, top-k lists computed apart merged exactly;
 - ``arrays``: input checks and the ``Metric`` / ``Backend`` names;
 - ``faiss_backend``: the one module that imports faiss.
 
 The names below are importable from the package itself; each module is loaded on first use,
-so ``search.kinds`` (the refresher's config checks) does not load faiss.
+so ``search.kinds`` (the commands' config checks) does not load faiss.
 """
 
 from __future__ import annotations
@@ -24,7 +29,12 @@ _PUBLIC = {
     "search_blocks": "exact",
     "rescore": "exact",
     "ApproximateIndex": "approximate",
-    "IndexChoice": "build",
+    "Index": "index",
+    "IndexChoice": "index",
+    "SettingError": "index",
+    "spelled_as": "index",
+    "IndexSetting": "kinds",
+    "index_setting": "kinds",
     "resolve_index": "build",
     "build_index": "build",
     "KINDS": "kinds",

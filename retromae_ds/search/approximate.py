@@ -7,15 +7,16 @@ from ``ntotal``; ``search(queries_QD, k)`` gives ``(scores_QK float32, ids_QK in
 first, -inf / -1 in empty slots; metric ``ip`` or ``cosine``). An index that needs training
 is trained at its first ``add`` on a sample of those vectors (``train_size`` rows drawn with
 ``seed``, so the same vectors give the same index). faiss-gpu is used when usable
-(``faiss_backend``), else faiss-cpu. Every error names the setting at fault through
-``label`` and ``prefix`` (the refresher passes ``refresh.``): a string faiss cannot parse,
-PQ sub-quantisers that do not divide the dimension, too few training vectors for the lists
-or codes asked, ``nprobe`` / ``ef_search`` that do not fit the index.
+(``faiss_backend``), else faiss-cpu. Every error is a ``SettingError`` naming the setting at
+fault (``index.spelled_as``: as the command that read it spells it): a string faiss cannot
+parse, PQ sub-quantisers that do not divide the dimension, too few training vectors for the
+lists or codes asked, ``nprobe`` / ``ef_search`` that do not fit the index.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -29,6 +30,7 @@ from retromae_ds.search.arrays import (
     l2_normalize,
     to_numpy,
 )
+from retromae_ds.search.index import IndexChoice, SettingError, Spelling
 from retromae_ds.search.kinds import MIN_TRAIN_PER_CENTROID
 from retromae_ds.search.merge import pad_topk
 
@@ -66,7 +68,8 @@ def divisors(n: int) -> list[int]:
 
 
 class ApproximateIndex:
-    """Top-k search by inner product or cosine through a faiss ``index_factory`` index.
+    """Top-k search by inner product or cosine through a faiss ``index_factory`` index (an
+    ``index.Index``; its scores are the index's own, approximate for PQ codes).
 
     Args:
         dim: vector dimension.
@@ -77,8 +80,8 @@ class ApproximateIndex:
         train_size: vectors sampled to train lists or codes (0: 64 per centroid, at most all).
         seed: seeds that sample (faiss's k-means has its own fixed seed).
         gpu: use faiss-gpu (None: when usable).
-        label: how errors name the index setting (default ``{prefix}index 'FACTORY'``).
-        prefix: put before ``nprobe``, ``ef_search``, ``train_size`` in errors (``refresh.``).
+        given: the ``index`` setting it was built from, as errors name it (``'ivf'
+            (IVF32,Flat)``; None: the factory string).
         strict: ``nprobe`` / ``ef_search`` given for an index without lists / graph is an
             error (False: ignored, for an index ``auto`` picked).
     """
@@ -94,66 +97,80 @@ class ApproximateIndex:
         train_size: int = 0,
         seed: int = 0,
         gpu: bool | None = None,
-        label: str | None = None,
-        prefix: str = "",
+        given: str | None = None,
         strict: bool = True,
     ) -> None:
+        self.exact = False
         if dim < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
+        if min(nprobe, ef_search, train_size) < 0:  # settings: checked by kinds.index_setting
+            raise ValueError("nprobe, ef_search and train_size must be >= 0 (0: auto)")
         check_metric(metric)
         self.dim, self.factory, self.metric, self.seed = dim, factory, metric, seed
-        self.label = label or f"{prefix}index {factory!r}"
-        self.prefix = prefix
+        self.given = factory if given is None else given
+        self.choice: IndexChoice | None = None
         self._index = self._new_index()
         self.layout = fb.describe(self._index)
         self.nprobe = self._check_nprobe(nprobe, strict)
         self.ef_search = self._check_ef_search(ef_search, strict)
-        if train_size < 0:
-            raise ValueError(f"{prefix}train_size must be >= 0, got {train_size}")
         self.train_size = train_size
         self.use_gpu = fb.faiss_gpus_usable() if gpu is None else gpu
         self.on_gpu = False
         self._placed = False  # moved to the GPUs (or found to have no GPU version) yet
 
     # ------------------------------------------------------------------- checks
+    def label(self, n: Spelling) -> str:
+        """How errors name the index: ``index 'ivf' (IVF32,Flat)``, ``index`` spelled by
+        ``n``."""
+        given, factory = self.given, self.factory
+        return f"{n('index')} {given!r}" + ("" if given == factory else f" ({factory})")
+
     def _new_index(self):
         pq = re.search(r"(?<![A-Za-z])PQ(\d+)", self.factory)
         if pq and not _TRANSFORMS.search(self.factory) and self.dim % int(pq.group(1)):
-            raise ValueError(self._pq_message(int(pq.group(1))))
+            raise self._pq_error(int(pq.group(1)))
         try:
             return fb.new_index(self.factory, self.dim)
         except ValueError as exc:
             if "subquantizers" in str(exc) and pq:
-                raise ValueError(self._pq_message(int(pq.group(1)))) from None
-            raise ValueError(
-                f"{self.label}: faiss cannot build it for dimension {self.dim}: {exc} "
-                "(see faiss's index_factory syntax, or use auto, flat, ivf, ivfpq, hnsw)"
+                raise self._pq_error(int(pq.group(1))) from None
+            why = str(exc)
+            raise SettingError(
+                lambda n: (
+                    f"{self.label(n)}: faiss cannot build it for dimension {self.dim}: "
+                    f"{why} (see faiss's index_factory syntax, or use auto, flat, ivf, ivfpq, hnsw)"
+                )
             ) from None
 
-    def _pq_message(self, m: int) -> str:
-        return (
-            f"{self.label}: {m} PQ sub-quantisers do not divide the dimension {self.dim} "
-            f"(pick a divisor of {self.dim}: {', '.join(map(str, divisors(self.dim)))})"
+    def _pq_error(self, m: int) -> SettingError:
+        return SettingError(
+            lambda n: (
+                f"{self.label(n)}: {m} PQ sub-quantisers do not divide the dimension "
+                f"{self.dim} (pick a divisor of {self.dim}: {', '.join(map(str, divisors(self.dim)))})"
+            )
         )
 
     def _check_nprobe(self, nprobe: int, strict: bool) -> int:
-        nlist, name = self.layout.nlist, f"{self.prefix}nprobe"
-        if nprobe < 0:
-            raise ValueError(f"{name} must be >= 0 (0: auto), got {nprobe}")
+        nlist = self.layout.nlist
         if not nlist:
             if nprobe and strict:
-                raise ValueError(f"{name} applies to IVF indexes; {self.label} has no lists")
+                raise SettingError(
+                    lambda n: f"{n('nprobe')} applies to IVF indexes; {self.label(n)} has no lists"
+                )
             return 0
         if nprobe > nlist:
-            raise ValueError(f"{name} {nprobe} exceeds the {nlist} lists of {self.label}")
+            raise SettingError(
+                lambda n: f"{n('nprobe')} {nprobe} exceeds the {nlist} lists of {self.label(n)}"
+            )
         return nprobe or auto_nprobe(nlist)
 
     def _check_ef_search(self, ef_search: int, strict: bool) -> int:
-        name = f"{self.prefix}ef_search"
-        if ef_search < 0:
-            raise ValueError(f"{name} must be >= 0 (0: auto), got {ef_search}")
         if ef_search and strict and not (self.layout.hnsw or self.layout.hnsw_quantizer):
-            raise ValueError(f"{name} applies to HNSW indexes; {self.label} has no HNSW graph")
+            raise SettingError(
+                lambda n: (
+                    f"{n('ef_search')} applies to HNSW indexes; {self.label(n)} has no HNSW graph"
+                )
+            )
         return ef_search
 
     def training_need(self) -> tuple[int, str]:
@@ -176,15 +193,19 @@ class ApproximateIndex:
             return 0
         per = f"{MIN_TRAIN_PER_CENTROID} per centroid of {what}"
         if self.train_size and self.train_size < need:
-            raise ValueError(
-                f"{self.prefix}train_size {self.train_size} is too few for {self.label}: it "
-                f"needs at least {need} training vectors ({per}); raise it or set 0 (auto)"
+            raise SettingError(
+                lambda s: (
+                    f"{s('train_size')} {self.train_size} is too few for {self.label(s)}: "
+                    f"it needs at least {need} training vectors ({per}); raise it or set 0 (auto)"
+                )
             )
         if n < need:
-            raise ValueError(
-                f"{self.label} needs at least {need} training vectors ({per}), the corpus has "
-                f"{n}: ask for fewer lists or codes, or use 'ivf' / 'ivfpq', which size them "
-                "to the corpus"
+            raise SettingError(
+                lambda s: (
+                    f"{self.label(s)} needs at least {need} training vectors ({per}), the "
+                    f"corpus has {n}: ask for fewer lists or codes, or use 'ivf' / 'ivfpq', which "
+                    "size them to the corpus"
+                )
             )
         want = self.train_size or need // MIN_TRAIN_PER_CENTROID * AUTO_TRAIN_PER_CENTROID
         return min(n, want)
@@ -208,7 +229,10 @@ class ApproximateIndex:
         try:
             self._index = fb.train(self._index, x, self.use_gpu)
         except ValueError as exc:
-            raise ValueError(f"{self.label}: training on {len(x)} vectors failed: {exc}") from None
+            why, count = str(exc), len(x)
+            raise SettingError(
+                lambda n: f"{self.label(n)}: training on {count} vectors failed: {why}"
+            ) from None
 
     def add(self, embeddings_ND: Matrix) -> None:
         """Append vectors (training on them first when the index is untrained)."""
@@ -236,6 +260,32 @@ class ApproximateIndex:
             self._index, self.on_gpu, self.layout, nprobe=self.nprobe, ef_search=ef
         )
         return pad_topk(*fb.search(self._index, q, width), k)
+
+    def search_parts(
+        self,
+        queries_QD: Matrix,
+        parts: Iterable[Matrix],
+        k: int,
+        *,
+        query_batch: int | None = None,
+        filled: Callable[[], None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every part added (the index holds them all), ``filled`` called, then the queries
+        searched ``query_batch`` at a time (``Index.search_parts``)."""
+        if self.ntotal:
+            raise ValueError("search_parts: the index must be empty (ids start at 0)")
+        for part in parts:
+            self.add(part)
+        if filled is not None:
+            filled()
+        k = check_k(k)
+        scores = np.empty((len(queries_QD), k), dtype=np.float32)
+        ids = np.empty((len(queries_QD), k), dtype=np.int64)
+        step = query_batch or max(1, len(queries_QD))
+        for start in range(0, len(queries_QD), step):
+            batch = slice(start, start + step)
+            scores[batch], ids[batch] = self.search(queries_QD[batch], k)
+        return scores, ids
 
     def ef_search_for(self, k: int) -> int:
         """The HNSW candidate list a search for ``k`` results uses: ``ef_search``, or when it

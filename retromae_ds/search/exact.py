@@ -19,7 +19,7 @@ index the backend's order stands, and which of several exactly equal scores make
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from retromae_ds.search.arrays import (
     l2_normalize,
 )
 from retromae_ds.search.faiss_backend import FlatBlock
+from retromae_ds.search.index import IndexChoice
 from retromae_ds.search.merge import merge_topk, pad_topk
 
 _TORCH_SCORE_BYTES = 2**28  # bound on one [query batch, block rows] float32 score matrix
@@ -77,7 +78,8 @@ class _TorchBlock:
 
 
 class ExactIndex:
-    """Exact top-k search by inner product (``metric="ip"``) or cosine similarity.
+    """Exact top-k search by inner product (``metric="ip"``) or cosine similarity (an
+    ``index.Index``: no training, exact scores).
 
     Args:
         dim: vector dimension.
@@ -105,6 +107,8 @@ class ExactIndex:
         if block_rows is not None and block_rows < 1:
             raise ValueError(f"block_rows must be >= 1 or None, got {block_rows}")
         self.dim, self.metric, self.block_rows = dim, metric, block_rows
+        self.exact = True
+        self.choice: IndexChoice | None = None
         self.backend = "faiss" if backend == "auto" else backend
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._blocks: list[FlatBlock | _TorchBlock] = []
@@ -120,6 +124,13 @@ class ExactIndex:
     @property
     def ntotal(self) -> int:
         return sum(b.ntotal for b in self._blocks)
+
+    def training_vectors(self, n: int) -> int:
+        """No training: 0."""
+        return 0
+
+    def train(self, embeddings_ND: Matrix) -> None:
+        """Nothing to train."""
 
     def _new_block(self) -> FlatBlock | _TorchBlock:
         if self.backend == "faiss":
@@ -163,6 +174,24 @@ class ExactIndex:
                     scores, ids = merge_topk(scores, ids, block_scores, block_ids, k)
             offset += n
         return pad_topk(scores, ids, k)
+
+    def search_parts(
+        self,
+        queries_QD: Matrix,
+        parts: Iterable[Matrix],
+        k: int,
+        *,
+        query_batch: int | None = None,
+        filled: Callable[[], None] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``search_blocks`` over ``parts`` with this index's metric, backend and device: one
+        part held at a time, never added (``filled`` is not called)."""
+        if self.ntotal:
+            raise ValueError("search_parts: the index must be empty (ids start at 0)")
+        return search_blocks(
+            queries_QD, parts, k, metric=self.metric, backend=self.backend, device=self.device,
+            query_batch=query_batch,
+        )  # fmt: skip
 
 
 def search_blocks(

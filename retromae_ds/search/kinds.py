@@ -1,6 +1,7 @@
-"""Which index: the named kinds of the ``index`` setting, the ``auto`` rule by corpus size, and
-the faiss ``index_factory`` string each name stands for. Pure arithmetic (no faiss), so the
-refresher's config checks its settings without loading faiss.
+"""Which index: the ``index`` setting checked once (``index_setting`` -> ``IndexSetting``, which
+``build.build`` sizes to a corpus), its named kinds, the ``auto`` rule by corpus size, and the
+faiss ``index_factory`` string each name stands for. Pure arithmetic (no faiss), so a command's
+config checks its settings without loading faiss.
 
 Kinds: ``flat`` (exact), ``ivf`` (inverted lists, exact scores within the probed lists),
 ``ivfpq`` (inverted lists of PQ codes: a few bytes a vector), ``hnsw`` (a graph over the
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
+
+from retromae_ds.search.index import EXACT, SettingError
 
 KINDS = ("auto", "flat", "ivf", "ivfpq", "hnsw")
-EXACT = "Flat"
-"""The factory string of exact search (``ExactIndex``)."""
 AUTO_FLAT_BELOW = 200_000
 AUTO_HNSW_QUANTIZER_FROM = 5_000_000
 LISTS_PER_SQRT_N = 4
@@ -41,31 +43,74 @@ GPU_PQ_SIZES = (1, 2, 3, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96)
 MIN_TRAIN_PER_CENTROID = 39
 """faiss's k-means warns below 39 training vectors per centroid; below it is an error here."""
 _FACTORY = re.compile(r"[A-Z][A-Za-z0-9_,.=+\-]*")
+BACKENDS = ("auto", "faiss", "torch")
 
 
-def check_index_setting(index: str, backend: str, prefix: str = "") -> None:
-    """What can be said of an ``index`` / ``search_backend`` pair without the vectors: a known
-    kind or something shaped like a factory string, a known backend, and no approximate
-    index on the exact-only torch backend."""
-    if backend not in ("auto", "faiss", "torch"):
-        raise ValueError(f"{prefix}search_backend must be auto, faiss or torch, not {backend!r}")
-    if index in ("faiss", "torch"):
-        raise ValueError(
-            f"{prefix}index names the index type now (auto, flat, ivf, ivfpq, hnsw or a faiss "
-            f"index_factory string); the search backend {index!r} is "
-            f"{prefix}search_backend: --{prefix}search_backend {index}"
+@dataclass(frozen=True)
+class IndexSetting:
+    """An ``index`` setting and its companions, checked (``index_setting``): everything that
+    can be said without the vectors holds. ``build.build`` sizes it to a corpus and returns
+    the empty index it names."""
+
+    index: str
+    """A kind (``KINDS``) or a faiss ``index_factory`` string, as given."""
+    backend: str = "auto"
+    """``auto``, ``faiss`` or ``torch`` (exact search only)."""
+    nprobe: int = 0
+    """IVF lists probed per query (0: auto)."""
+    ef_search: int = 0
+    """HNSW candidate-list size (0: auto)."""
+    train_size: int = 0
+    """Vectors sampled to train lists or codes (0: auto)."""
+
+    @property
+    def exact(self) -> bool:
+        """Exact search whatever the corpus (``auto`` decides by size: False)."""
+        return self.index in ("flat", EXACT)
+
+
+def index_setting(
+    index: str, *, backend: str = "auto", nprobe: int = 0, ef_search: int = 0, train_size: int = 0
+) -> IndexSetting:
+    """The checked ``IndexSetting``: a known kind or something shaped like a factory string,
+    a known backend, counts >= 0, no ``nprobe`` / ``ef_search`` for exact search and no
+    approximate index on the exact-only torch backend; else a ``SettingError``."""
+    if backend not in BACKENDS:
+        raise SettingError(
+            lambda n: f"{n('backend')} must be auto, faiss or torch, not {backend!r}"
         )
-    if index not in KINDS and not _FACTORY.fullmatch(index):
-        raise ValueError(
-            f"{prefix}index must be auto, flat, ivf, ivfpq, hnsw or a faiss index_factory "
-            f"string such as 'IVF4096,PQ32' or 'HNSW32,Flat', not {index!r}"
+    if not isinstance(index, str) or (index not in KINDS and not _FACTORY.fullmatch(index)):
+        raise SettingError(
+            lambda n: (
+                f"{n('index')} must be auto, flat, ivf, ivfpq, hnsw or a faiss "
+                f"index_factory string such as 'IVF4096,PQ32' or 'HNSW32,Flat', not {index!r}"
+            )
         )
+    counts = {"nprobe": nprobe, "ef_search": ef_search, "train_size": train_size}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise SettingError(lambda n, name=name, value=value: (
+                f"{n(name)} must be >= 0 (0: auto), got {value!r}"
+            ))  # fmt: skip
+    setting = IndexSetting(index, backend, nprobe, ef_search, train_size)
+    if setting.exact:
+        for name in ("nprobe", "ef_search"):
+            if counts[name]:
+                raise SettingError(
+                    lambda n, name=name: (
+                        f"{n(name)} applies to approximate indexes; "
+                        f"{n('index')} {index!r} searches exactly"
+                    )
+                )
     if backend == "torch" and index not in ("auto", "flat", EXACT):
-        raise ValueError(
-            f"{prefix}index {index!r} is approximate, and {prefix}search_backend torch searches "
-            f"exactly only: use {prefix}search_backend auto or faiss for it, or {prefix}index "
-            "flat (or auto) with torch"
+        raise SettingError(
+            lambda n: (
+                f"{n('index')} {index!r} is approximate, and {n('backend')} torch "
+                f"searches exactly only: use {n('backend')} auto or faiss for it, or {n('index')} "
+                "flat (or auto) with torch"
+            )
         )
+    return setting
 
 
 def nearest_power_of_two(x: float) -> int:
