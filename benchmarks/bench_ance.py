@@ -39,11 +39,11 @@ def bench_encoding(args, scratch: Path) -> list[common.Measurement]:
     import numpy as np
     import torch
 
-    from retromae_ds.ance import data as ance_data
-    from retromae_ds.ance.model import load_body
-    from retromae_ds.ance.stages import encode_rows
-    from retromae_ds.eval.beir import load_corpus
-    from retromae_ds.eval.encode import HFEncoder
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning.model import load_body
+    from retromae_ds.refresher.stages import encode_rows
+    from retromae_ds.retrieval.beir import load_corpus
+    from retromae_ds.retrieval.encode import HFEncoder
 
     model_dir = common.default_tokenizer_dir()
     beir = Path(args.data) / "scifact"

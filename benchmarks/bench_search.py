@@ -77,7 +77,7 @@ def passages_and_queries(data: Path) -> tuple[list[str], list[str]]:
 
 
 def minilm_vectors(args) -> tuple[np.ndarray, np.ndarray]:
-    from retromae_ds.eval.encode import HFEncoder
+    from retromae_ds.retrieval.encode import HFEncoder
     from retromae_recipes.common import minilm_dir
 
     passages, queries = passages_and_queries(Path(args.data))

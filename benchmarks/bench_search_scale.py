@@ -142,7 +142,7 @@ def queries_and_positives(data: Path) -> tuple[list[str], list[np.ndarray]]:
 def encoder(max_length: int, amp: str, batch_size: int = 64):
     import torch
 
-    from retromae_ds.eval.encode import HFEncoder
+    from retromae_ds.retrieval.encode import HFEncoder
     from retromae_recipes.common import minilm_dir
 
     return HFEncoder.from_dir(
@@ -303,8 +303,8 @@ def timed_search(index, queries: np.ndarray, k: int, threads: list[int], rounds:
 
 
 def mined(ids_QK: np.ndarray, positives: list[np.ndarray], n: int, strategy: str):
-    from retromae_ds.ance.mining import mine
-    from retromae_ds.ance.refresh_config import MiningConfig
+    from retromae_ds.refresher.config import MiningConfig
+    from retromae_ds.refresher.mining import mine
 
     cfg = MiningConfig(strategy=strategy)
     return mine(

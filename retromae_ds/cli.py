@@ -88,8 +88,8 @@ ENTRIES = {
         Entry(
             "refresh",
             DESCRIPTIONS["refresh"],
-            "retromae_ds.ance.refresh_config:RefresherConfig",
-            "retromae_ds.ance.refresher:refresh_command",
+            "retromae_ds.refresher.config:RefresherConfig",
+            "retromae_ds.refresh:refresh_command",
             errors=USER_ERRORS,
         ),
         Entry(
@@ -132,7 +132,7 @@ ENTRIES = {
             "eval",
             DESCRIPTIONS["eval"],
             "retromae_ds.eval.run:EvalConfig",
-            "retromae_ds.eval.run:eval_command",
+            "retromae_ds.evaluate:eval_command",
         ),
     )
 }

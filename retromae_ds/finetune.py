@@ -29,7 +29,7 @@ is complete: exit 85, resume with ``--checkpoint.resume auto``).
 The BEIR files the run tokenizes are fingerprinted (sha256) in ``RUN/data/READY``; a resume
 (or a run reusing ``data.prepared``) against a folder whose files changed since is refused
 naming them, and every start checks the tokenized shards against their manifest before
-anything reads them (``retromae_ds.ance.data``). The init and its pooling are checked (the
+anything reads them (``retromae_ds.finetuning.data``). The init and its pooling are checked (the
 model is built) before anything is tokenized, and a pre-training run folder as ``--run_dir``
 is refused before anything is written into it.
 
@@ -48,13 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
-from retromae_ds.ance.batches import BatchBuilder, batch_stream
-from retromae_ds.ance.bm25 import publish_bm25
-from retromae_ds.ance.feed import NegativesConfig, NegativesFeed
-from retromae_ds.ance.model import DualEncoder, load_tower, save_encoders
-from retromae_ds.ance.refresh_config import RefreshConfig, with_absolute_paths
+from retromae_ds.base.commands import DESCRIPTIONS
 from retromae_ds.base.config import resumable, to_dict
 from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.base.special_tokens import SpecialIds
@@ -63,8 +57,15 @@ from retromae_ds.components.checkpoint import pretraining_evidence, resolve_enco
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.batches import BatchBuilder, batch_stream
+from retromae_ds.finetuning.feed import NegativesConfig, NegativesFeed
+from retromae_ds.finetuning.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import check_pooling, get_pooling
+from retromae_ds.refresher.bm25 import publish_bm25
+from retromae_ds.refresher.config import RefreshConfig, with_absolute_paths
 from retromae_ds.training.config import OptimConfig, RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
 
@@ -375,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m retromae_ds.finetune`` (what the ``deepspeed`` launcher, ``torchrun`` and
     ``slurm/finetune.sh`` start): the same command as ``retromae-ds finetune``."""
     return job_main(
-        FinetuneConfig, finetune_command, argv, prog="retromae-ds finetune", doc=__doc__
+        FinetuneConfig,
+        finetune_command,
+        argv,
+        prog="retromae-ds finetune",
+        description=DESCRIPTIONS["finetune"],
     )
 
 

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
 from retromae_ds.base.config import flag, to_dict
 from retromae_ds.base.fsutil import atomic_write_text
 from retromae_ds.base.options import run_command
@@ -51,6 +50,7 @@ from retromae_ds.finetune import (
     FinetuneDataConfig,
     NegativesConfig,
 )
+from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
 from retromae_recipes.report_rows import compare
@@ -97,7 +97,7 @@ class RecipeConfig:
     refresh_mode: str = "full"
     """How the ANCE arm's refresher mines each version (``refresh.mode``): ``full`` encodes
     the corpus every time; ``pool`` re-scores the top ``pool_k`` of its last full refresh
-    with the new checkpoint (``retromae_ds.ance.candidate_pool``; with 2 versions, v1 from
+    with the new checkpoint (``retromae_ds.refresher.candidate_pool``; with 2 versions, v1 from
     step 0 is full and v2 re-scores its pool; benchmarks/bench_candidate_pool.py)."""
     pool_k: int = 0
     """K' of ``refresh_mode pool`` (``refresh.pool_k``; 0: ``top_k``)."""
@@ -289,8 +289,8 @@ class Recipe:
             return json.loads(path.read_text())
         import torch
 
-        from retromae_ds.eval.beir import load_beir
         from retromae_ds.eval.run import evaluate_beir
+        from retromae_ds.retrieval.beir import load_beir
 
         key = (str(beir), split)
         if key not in self._loaded:
@@ -321,7 +321,7 @@ class Recipe:
         path = self.out / "eval" / f"{name}.json"
         if path.is_file():
             return json.loads(path.read_text())
-        from retromae_ds.eval.lexical import evaluate_bm25
+        from retromae_ds.retrieval.lexical import evaluate_bm25
 
         result = evaluate_bm25(beir, split, MEASURES)
         row = {"model": "bm25", "split": split, "metrics": result["metrics"]}
@@ -355,9 +355,9 @@ class Recipe:
         import numpy as np
         from sentence_transformers import SentenceTransformer
 
-        from retromae_ds.eval.encode import HFEncoder
         from retromae_ds.export import export_encoder
         from retromae_ds.hf import sbert
+        from retromae_ds.retrieval.encode import HFEncoder
 
         out = self.out / "export" / f"{arm}_s{seed}"
         if not (out / "export.json").is_file():

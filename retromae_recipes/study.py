@@ -48,7 +48,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.base.config import to_dict
 from retromae_ds.base.options import run_command
 from retromae_ds.components.checkpoint import resolve_encoder
@@ -66,6 +65,7 @@ from retromae_ds.hf.util import quiet_transformers
 from retromae_ds.modeling.encoder import EncoderConfig, build_encoder
 from retromae_ds.modeling.objectives import ObjectiveConfig
 from retromae_ds.pretrain import DataConfig, ModelConfig, PretrainConfig
+from retromae_ds.refresher.config import RefreshConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import minilm_dir, run_stage, write_json
 from retromae_recipes.report import report
@@ -525,10 +525,10 @@ class Study:
         poolings load the masked-LM model (its MLM head) and keep ``cfg.bow_topk`` entries."""
         import torch
 
-        from retromae_ds.eval.beir import load_beir
-        from retromae_ds.eval.encode import HFEncoder
         from retromae_ds.eval.rerank import bm25_candidates, evaluate_rerank
         from retromae_ds.eval.run import evaluate_embeddings
+        from retromae_ds.retrieval.beir import load_beir
+        from retromae_ds.retrieval.encode import HFEncoder
 
         if beir not in self._beir:
             self._beir[beir] = load_beir(beir, self.cfg.eval_split)
@@ -559,7 +559,7 @@ class Study:
 
     def bm25(self, task: str) -> dict[str, Any]:
         """BM25 on ``eval_split`` of a task: the lexical reference row of the report."""
-        from retromae_ds.eval.lexical import evaluate_bm25
+        from retromae_ds.retrieval.lexical import evaluate_bm25
 
         path = self.out / f"bm25@{task}.json"
         if path.exists():

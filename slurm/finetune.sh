@@ -109,7 +109,7 @@ MASTER_ADDR=${REFRESH_HOSTS[0]} MASTER_PORT=$((MASTER_PORT + 1)) \
   --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/refresher_%t.log" \
   bash -c 'trap "" USR1; export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
     while [ ! -f "$1/refresh_config.json" ]; do sleep 5; done
-    exec "$0" -m retromae_ds.ance.refresher --config "$1/refresh_config.json"' \
+    exec "$0" -m retromae_ds.refresh --config "$1/refresh_config.json"' \
   "${PYTHON:-python}" "$RUN_DIR" &
 REFRESH_PID=$!
 

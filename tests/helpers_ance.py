@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 
 from helpers_model import NO_DROPOUT, small_config
 from synthetic import synthetic_texts
@@ -149,11 +149,11 @@ def fake_checkpoint(run_dir: Path, step: int, encoder_dir: Path) -> Path:
 
 
 def refresh_cmd(run_dir: Path, *extra: str) -> list[str]:
-    """``python -m retromae_ds.ance.refresher`` on ``run_dir`` with small settings."""
+    """``python -m retromae_ds.refresh`` on ``run_dir`` with small settings."""
     return [
         sys.executable,
         "-m",
-        "retromae_ds.ance.refresher",
+        "retromae_ds.refresh",
         "--run_dir",
         str(run_dir),
         "--mining.num_negatives",

@@ -18,16 +18,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
-from retromae_ds.ance.mining import (
+from retromae_ds.base import faults
+from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.refresher.mining import (
     drop_likely_positives,
     min_per_query,
     mine,
     positive_scores,
 )
-from retromae_ds.base import faults
-from retromae_ds.components.layout import RunLayout
 
 from helpers_ance import (
     ENV,
@@ -149,7 +149,7 @@ def test_false_negative_filter_by_hand():
 
 
 def test_refresh_config_refuses_bad_values_by_name():
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     with pytest.raises(ValueError, match="refresh.threads must be >= 0, got -1"):
         RefreshConfig(threads=-1)
@@ -164,8 +164,8 @@ def test_top_strategy_skips_the_first_non_positives():
 
 
 def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     ts = ance_data.load(prepared_set(tmp_path / "data", beir, tokenizer_dir))
@@ -185,8 +185,8 @@ def test_bm25_version_excludes_all_positives(tmp_path, tokenizer_dir):
         assert not set(neg.of(q).tolist()) & set(ts.positives[q].tolist())
     # BM25 ranks a positive first for most queries (their text comes from it): the exclusion
     # is exercised, not vacuous
-    from retromae_ds.ance.bm25 import bm25_rankings
-    from retromae_ds.eval.beir import load_corpus, load_queries
+    from retromae_ds.refresher.bm25 import bm25_rankings
+    from retromae_ds.retrieval.beir import load_corpus, load_queries
 
     ids, texts = load_corpus(beir / "corpus.jsonl")
     text_of = dict(zip(ids, texts, strict=True))
@@ -290,7 +290,7 @@ def test_reader_rejects_a_corrupted_version(tmp_path):
 def _tiny_dual_encoder(seed: int):
     from transformers import BertConfig, BertModel
 
-    from retromae_ds.ance.model import DualEncoder
+    from retromae_ds.finetuning.model import DualEncoder
 
     torch.manual_seed(seed)
     config = BertConfig(**small_config(50, 16, 1, max_position_embeddings=16), **NO_DROPOUT)
@@ -375,8 +375,8 @@ def test_gathered_in_batch_negatives_match_a_single_process_big_batch():
 # --------------------------------------------------------------------------- refresher
 @pytest.mark.slow
 def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     run = tmp_path / "run"
     beir = write_synthetic_beir(tmp_path / "beir")
@@ -453,8 +453,8 @@ def test_refresher_killed_mid_encode_then_restarted(tmp_path, tokenizer_dir):
 def test_two_refresher_ranks_each_encode_their_part_and_agree_with_one(tmp_path, tokenizer_dir):
     import shutil
 
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     one, two = tmp_path / "one", tmp_path / "two"
     beir = write_synthetic_beir(tmp_path / "beir")
@@ -503,9 +503,10 @@ def test_embedding_cache_reuses_only_the_same_encoder_and_data(tmp_path, tokeniz
     """Two runs from byte-identical checkpoints: the second loads the first's embeddings
     instead of encoding and mines the same negatives; another encoder misses; a damaged
     entry is reported and recomputed, never used."""
-    from retromae_ds.ance import refresher, stages
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     data = prepared_set(tmp_path / "data", beir, tokenizer_dir)
@@ -576,9 +577,10 @@ def test_refresher_restarted_after_its_ranking_mines_from_it_without_encoding(
     publishing (a write error, injected into ``handoff.publish``) leaves the merged ranking
     there; the next one mines and publishes from it without encoding, and the version equals
     the one an uninterrupted refresher publishes."""
-    from retromae_ds.ance import publish, refresher, stages
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import publish, stages
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir")
     data = prepared_set(tmp_path / "data", beir, tokenizer_dir)

@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
 from retromae_ds.components.layout import QUERY_ENCODER, RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 from retromae_ds.hf import sbert
 
 from helpers_ance import (
@@ -73,7 +73,7 @@ def assets(tmp_path_factory, tokenizer_dir) -> SimpleNamespace:
 
 
 def _config(assets: SimpleNamespace, run: Path, **kwargs):
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     settings = dict(
         run_dir=str(run), data_dir=str(assets.data), batch_size=8, device="cpu", progress=False,
@@ -84,7 +84,8 @@ def _config(assets: SimpleNamespace, run: Path, **kwargs):
 
 
 def _refresh(cfg, assets: SimpleNamespace, checkpoint: Path, version: int) -> dict:
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     return refresher.refresh_once(cfg, assets.ts, checkpoint, version, stages.Group(60))
 
@@ -92,7 +93,7 @@ def _refresh(cfg, assets: SimpleNamespace, checkpoint: Path, version: int) -> di
 def _run_with_full_v1(assets: SimpleNamespace, run: Path, **kwargs):
     """BM25's v0 (its pool kept), v1 mined in full from the old towers (step 2), the new
     towers' checkpoint (step 4) waiting: (config, new checkpoint)."""
-    from retromae_ds.ance.bm25 import publish_bm25
+    from retromae_ds.refresher.bm25 import publish_bm25
 
     cfg = _config(assets, run, **kwargs)
     publish_bm25(cfg, assets.ts, RunLayout(run).negatives)
@@ -107,7 +108,8 @@ def _negatives(run: Path) -> list[list[int]]:
 
 def _recording(patch: pytest.MonkeyPatch) -> SimpleNamespace:
     """Counts the passage rows encoded and keeps the ranking each version is mined from."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     seen = SimpleNamespace(rows=[], rankings=[])
     real_encode, real_mine = stages.encode_rows, refresher.mine_and_publish
@@ -190,8 +192,8 @@ def test_a_pool_version_ranks_as_an_exact_search_restricted_to_its_pool(tmp_path
 def test_a_full_refresh_of_pool_mode_mines_what_the_default_mode_mines(tmp_path, assets):
     """A full refresh that keeps a deeper pool (K' > top_k) hands mining the same top_k;
     the default mode writes no pool and no ``candidate_pool``."""
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig
 
     negatives, manifests = {}, {}
     for mode in ("full", "pool"):
@@ -263,7 +265,7 @@ def test_the_pool_survives_keep_last_and_is_refreshed_every_n_versions(tmp_path,
 
 
 def test_bm25s_pool_is_rescored_only_when_asked(tmp_path, assets):
-    from retromae_ds.ance.bm25 import publish_bm25
+    from retromae_ds.refresher.bm25 import publish_bm25
 
     run = tmp_path / "run"
     cfg = _config(assets, run, pool_from_bm25=True)

@@ -280,7 +280,7 @@ def test_train_tokenizer_on_chinese_splits_han_characters(shared_data, tmp_path)
 
 
 def test_bm25_tokenizes_chinese_with_jieba_or_characters(shared_data):
-    from retromae_ds.eval.lexical import analyze, choose_analyzer, evaluate_bm25
+    from retromae_ds.retrieval.lexical import analyze, choose_analyzer, evaluate_bm25
 
     assert choose_analyzer(["some english"]) == "english"
     assert choose_analyzer(["中文 text"]) == "jieba"

@@ -193,3 +193,30 @@ def test_the_old_pretraining_module_name_still_runs():
     )
     assert done.returncode == 0, done.stderr
     assert "retromae-ds pretrain" in done.stdout and "--model.objective.name" in done.stdout
+
+
+def test_every_command_runs_from_the_jobs_layer_with_one_description():
+    """Each command's run function sits in a module at the package root (the jobs layer),
+    and a job's own ``python -m`` spelling (what launchers, Slurm and the trainer's local
+    refresher start) prints the same help as ``retromae-ds NAME --help``."""
+    import subprocess
+    import sys
+
+    for entry in ENTRIES.values():
+        module = entry.run.split(":")[0]
+        assert module.count(".") == 1, entry.run  # retromae_ds.JOB
+    spellings = {
+        "pretrain": ["retromae_ds.pretrain", "retromae_ds.train"],
+        "finetune": ["retromae_ds.finetune"],
+        "refresh": ["retromae_ds.refresh", "retromae_ds.ance.refresher"],
+    }
+    for name, modules in spellings.items():
+        front = subprocess.run(
+            [sys.executable, "-m", "retromae_ds.cli", name, "--help"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        for module in modules:
+            job = subprocess.run(
+                [sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True
+            ).stdout
+            assert job == front, module

@@ -379,10 +379,10 @@ def test_mining_settings_have_their_own_section_and_the_old_names_still_work(tmp
     device fields: the old one is what ran); the trainer refuses a refresh.run_dir that is
     not its own."""
     import retromae_ds.base.config as config
-    from retromae_ds.ance.refresh_config import RefreshConfig
     from retromae_ds.base.config import to_dict
     from retromae_ds.base.options import build_config
     from retromae_ds.finetune import FinetuneConfig
+    from retromae_ds.refresher.config import RefreshConfig
     from retromae_ds.training.loop import check_resume_config
 
     config._NOTED.clear()

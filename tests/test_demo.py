@@ -132,7 +132,7 @@ def test_demo_runs_end_to_end(tmp_path):
 
 
 def test_builtin_task_splits_queries_into_train_and_test(tmp_path):
-    from retromae_ds.eval.beir import load_beir
+    from retromae_ds.retrieval.beir import load_beir
     from retromae_recipes.demo import builtin_task
 
     folder = builtin_task(tmp_path / "builtin", max_docs=3000)

@@ -317,9 +317,9 @@ def test_eval_export_and_the_training_state_give_the_same_dupmae_vectors(tmp_pat
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
-    from retromae_ds.eval.encode import HFEncoder
     from retromae_ds.export import EXPORT_MARKER, export_encoder
     from retromae_ds.modeling.load import load_with_head
+    from retromae_ds.retrieval.encode import HFEncoder
 
     texts = _texts()
     want = _reference_vectors(dupmae_run, texts, topk=16)
@@ -389,7 +389,7 @@ def finetune(run_dir: Path, *overrides: str, check: bool = True):
 
 @pytest.mark.slow
 def test_finetuning_with_the_dupmae_pooling_trains_its_head_and_saves_it(tmp_path, dupmae_run):
-    from retromae_ds.eval.encode import HFEncoder
+    from retromae_ds.retrieval.encode import HFEncoder
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=60, num_queries=16)
     run = tmp_path / "ft"
@@ -425,9 +425,9 @@ def test_finetuning_with_the_dupmae_pooling_trains_its_head_and_saves_it(tmp_pat
 def test_config_errors_name_the_setting(tmp_path, tokenizer_dir):
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from retromae_ds.eval.encode import HFEncoder, pool
     from retromae_ds.eval.periodic import PeriodicEvalConfig
     from retromae_ds.finetune import DualModelConfig
+    from retromae_ds.retrieval.encode import HFEncoder, pool
 
     with pytest.raises(ValueError, match="objective.bow_weight"):
         ObjectiveConfig(name="dupmae", bow_weight=-1.0)
@@ -464,7 +464,7 @@ def _plain_dupmae_vectors(encoder: Path, ds, rows, special, topk: int) -> np.nda
     """The DupMAE vectors of shard rows (``[CLS] row [SEP]``), one text at a time: the
     masked-LM model's [CLS] state, then the max over the ordinary positions of its MLM head,
     the ``topk`` largest entries kept (normalised when the folder says so)."""
-    from retromae_ds.ance import data as ance_data
+    from retromae_ds.finetuning import data as ance_data
     from retromae_ds.modeling.load import load_with_head
 
     model = load_with_head(encoder).eval()
@@ -493,12 +493,14 @@ def test_the_refresher_mines_with_the_dupmae_pooling_across_shards(
     folder's pooling and top-k in shards cut to ``stages.SHARD_BYTES`` (here 15 passages of
     H + |V| entries), and mines exactly the negatives of a ranking by plain per-text vectors
     (strategy ``top``: the best non-positives)."""
-    from retromae_ds.ance import data as ance_data
-    from retromae_ds.ance import handoff, refresher, stages
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
     from retromae_ds.components.layout import RunLayout
     from retromae_ds.export import export_encoder
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning import handoff
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=40, num_queries=8)
     ts = ance_data.load(prepared_set(tmp_path / "data", beir, tokenizer_dir))
@@ -532,8 +534,8 @@ def test_finetuning_with_a_dupmae_pooling_mines_ance_negatives_with_it(tmp_path,
     """``--refresher local`` with ``--model.pooling dupmae_bow``: the refresher mines v1
     from the step-0 checkpoint with that pooling (|V| entries a vector) before step 1, and
     training goes on to its last step."""
-    from retromae_ds.ance import handoff
     from retromae_ds.components.layout import RunLayout
+    from retromae_ds.finetuning import handoff
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=30, num_queries=8)
     run = tmp_path / "ft"

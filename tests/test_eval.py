@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from retromae_ds.cli import main as cli_main
-from retromae_ds.eval.beir import load_beir, load_corpus, load_qrels, load_queries
-from retromae_ds.eval.encode import HFEncoder, encode_texts
 from retromae_ds.eval.run import evaluate_beir, retrieve
+from retromae_ds.retrieval.beir import load_beir, load_corpus, load_qrels, load_queries
+from retromae_ds.retrieval.encode import HFEncoder, encode_texts
 
 from helpers_model import tiny_bert_dir
 from synthetic import synthetic_texts

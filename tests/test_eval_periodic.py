@@ -16,8 +16,8 @@ from helpers_train import ENV, REPO, metrics, pretrain
 
 from retromae_ds.data import builtin_corpus as bc
 from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-from retromae_ds.eval.beir import load_beir
 from retromae_ds.eval.periodic import PeriodicEvalConfig, sample_beir
+from retromae_ds.retrieval.beir import load_beir
 
 LOSSES = ("loss", "mlm_loss", "mlm_accuracy", "decoder_loss", "lr", "tokens_seen")
 

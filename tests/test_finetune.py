@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from helpers_train import launch_cmd, run_logged
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
-from retromae_ds.ance.mining import mine
 from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.refresher.mining import mine
 
 from helpers_ance import (
     ENV,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from retromae_ds.ance import handoff
+from retromae_ds.finetuning import handoff
 from retromae_recipes.common import find_minilm
 
 from helpers_ance import assert_refresher_threads

@@ -375,7 +375,7 @@ def test_text_lines_names_file_line_and_column(bad_inputs, kind):
 
 
 def test_invalid_utf8_in_the_beir_loader_names_file_line_and_column(bad_inputs):
-    from retromae_ds.eval.beir import load_corpus
+    from retromae_ds.retrieval.beir import load_corpus
 
     path, column = bad_inputs["beir"]
     with pytest.raises(ValueError) as info:

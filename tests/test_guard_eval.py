@@ -106,10 +106,10 @@ def test_separate_towers_are_evaluated_and_exported_as_two(towers_run, tmp_path,
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel
 
-    from retromae_ds.eval.beir import load_beir
-    from retromae_ds.eval.encode import HFEncoder
     from retromae_ds.eval.run import evaluate_embeddings
     from retromae_ds.export import export_encoder
+    from retromae_ds.retrieval.beir import load_beir
+    from retromae_ds.retrieval.encode import HFEncoder
 
     run, beir = towers_run
     step = ckpt.latest_complete(run / "checkpoints")

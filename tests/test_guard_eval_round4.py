@@ -19,10 +19,10 @@ import torch
 from helpers_train import ENV, REPO
 
 from retromae_ds.attention.packing import Packing
-from retromae_ds.eval.encode import MAX_GROWTH, bounded_texts, cut_chars
 from retromae_ds.modeling.encoder import encode
 from retromae_ds.modeling.long_attention import use_broadcast_mask
 from retromae_ds.modeling.mask_form import _takes_4d_mask, takes_4d_mask
+from retromae_ds.retrieval.encode import MAX_GROWTH, bounded_texts, cut_chars
 
 from helpers_ance import write_synthetic_beir, write_tiny_encoder
 from helpers_model import SMALL_CONFIG

@@ -159,7 +159,7 @@ def test_the_fingerprint_is_checked_by_load_and_recorded_for_an_older_folder(
 ):
     """``load`` (the refresher's way in) checks the qrels it reads; a folder prepared before
     fingerprints existed gets one on its next start, saying so, and is guarded from then on."""
-    from retromae_ds.ance import data as ance_data
+    from retromae_ds.finetuning import data as ance_data
 
     beir = Path(shutil.copytree(inputs[0], tmp_path / "beir"))
     out = tmp_path / "prepared"

@@ -28,11 +28,11 @@ import pytest
 from helpers_train import pretrain
 from helpers_train import synthetic_shards as make_shards
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
 from retromae_ds.components import checkpoint as ckpt
 from retromae_ds.components.layout import RunLayout, step_tag
 from retromae_ds.data import schema
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 
 from helpers_ance import (
     ENV,
@@ -166,8 +166,8 @@ def test_load_checks_the_queries_shards_too(inputs, tmp_path, tokenizer_dir):
 def _refresh_run(run: Path, ts: ance_data.TrainingSet, encoder: Path, data: Path, **kw):
     """A fine-tuning run folder as a refresher sees one (BM25's v0, a step-4 checkpoint) and
     the refresher's settings for it."""
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     cfg = RefreshConfig(
         run_dir=str(run), data_dir=str(data), batch_size=8, device="cpu", progress=False,
@@ -190,7 +190,8 @@ def test_a_refresher_on_corrupt_data_encodes_nothing_and_the_shared_cache_stays_
     corrupt shard (ids scrambled, all still valid) would fill a shared cache that clean runs
     then hit. It is refused before encoding, publishing nothing; a clean run's negatives with
     the shared cache equal those without one."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     clean = prepared_set(tmp_path / "clean", inputs.beir, tokenizer_dir)
     ts = ance_data.load(clean)

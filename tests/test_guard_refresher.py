@@ -19,10 +19,10 @@ import pytest
 import torch
 from helpers_disk import fill, small_disk
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
 from retromae_ds.base import faults
 from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 
 from helpers_ance import ENV, REPO, write_synthetic_beir, write_tiny_encoder
 from helpers_proc import parent_pid, processes
@@ -86,7 +86,7 @@ def _refresher_child(trainer: subprocess.Popen, timeout: float) -> int:
             raise AssertionError(f"the trainer exited ({trainer.returncode}) first")
         for pid, read in processes("stat", "cmdline"):
             if parent_pid(read["stat"]) == trainer_pid and (
-                b"retromae_ds.ance.refresher" in read["cmdline"]
+                b"retromae_ds.refresh" in read["cmdline"]
             ):
                 return pid
         time.sleep(0.2)
@@ -147,8 +147,8 @@ def test_the_local_refresher_exits_when_its_trainer_is_killed(tmp_path, assets):
 @pytest.fixture(scope="module")
 def bm25_run(tmp_path_factory, tokenizer_dir, assets) -> Path:
     """A run folder with prepared data and the BM25 version 0 (copied per test)."""
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     from helpers_ance import prepared_set
 
@@ -362,7 +362,7 @@ def test_stale_negatives_are_reported_once_until_a_new_version_comes(bm25_run, t
     for the trainer to stop on."""
     import numpy as np
 
-    from retromae_ds.ance.negatives import NegativesInUse, load_negatives
+    from retromae_ds.finetuning.negatives import NegativesInUse, load_negatives
 
     run = _copy(bm25_run, tmp_path)
     root = RunLayout(run).negatives

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from helpers_disk import small_disk
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
 from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 
 from helpers_ance import (
     fake_checkpoint,
@@ -63,7 +63,7 @@ def assets(tmp_path_factory, tokenizer_dir) -> SimpleNamespace:
 
 
 def _config(assets: SimpleNamespace, run: Path, ignore: bool, **kwargs):
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     mining = MiningConfig(top_k=10, num_negatives=3, strategy="top", ignore_identical_ids=ignore)
     return RefreshConfig(
@@ -75,8 +75,9 @@ def _config(assets: SimpleNamespace, run: Path, ignore: bool, **kwargs):
 def _mine_v0_and_v1(assets: SimpleNamespace, run: Path, ignore: bool, **kwargs):
     """BM25's v0 as the trainer publishes it, then one model-mined v1 by the refresher's
     ``refresh_once``: [(manifest, negatives per query)] of both."""
-    from retromae_ds.ance import refresher, stages
-    from retromae_ds.ance.bm25 import publish_bm25
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.bm25 import publish_bm25
 
     cfg = _config(assets, run, ignore, **kwargs)
     root = RunLayout(run).negatives
@@ -126,7 +127,7 @@ def test_a_querys_own_document_is_never_its_mined_negative(assets, tmp_path):
 def test_the_own_document_is_never_a_random_top_up_either():
     """A query whose ranking is too short is topped up with random passages: never its own
     document, and never a positive, however many draws it takes."""
-    from retromae_ds.ance.mining import drop_identical, identical_passages, mine
+    from retromae_ds.refresher.mining import drop_identical, identical_passages, mine
 
     own = identical_passages(["q0", "q1", "x"], ["d0", "q1", "d2", "q0"])
     assert own.tolist() == [3, 1, -1]
@@ -168,7 +169,7 @@ def _refresh_error(capsys, *argv: str) -> str:
 def test_skip_top_that_skips_the_whole_ranking_is_refused_naming_both(capsys):
     """``skip_top >= top_k`` would make every negative random: refused, naming both settings
     as each command spells them."""
-    from retromae_ds.ance.refresh_config import MiningConfig
+    from retromae_ds.refresher.config import MiningConfig
 
     line = _refresh_error(capsys, "--mining.top_k", "20", "--mining.skip_top", "20")
     assert "mining.skip_top 20" in line and "mining.top_k 20" in line, line
@@ -187,10 +188,10 @@ def test_refresh_names_its_options_as_it_reads_them(capsys):
     """``retromae-ds refresh`` reads ``--search_backend``, not the trainer's
     ``--refresh.search_backend``: its errors say so, at parse time and when the index is
     resolved; the trainer's section keeps the ``refresh.`` prefix."""
-    from retromae_ds.ance import stages
-    from retromae_ds.ance.refresh_config import RefreshConfig, RefresherConfig
     from retromae_ds.base.options import parse_command
     from retromae_ds.finetune import FinetuneConfig
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.config import RefreshConfig, RefresherConfig
 
     line = _refresh_error(capsys, "--index", "faiss")
     assert "--search_backend faiss" in line and "refresh." not in line, line
@@ -229,8 +230,8 @@ def test_an_hnsw_record_names_the_ef_search_its_searches_use():
 def test_the_refreshers_folders_are_written_absolute(tmp_path, monkeypatch):
     """``with_absolute_paths``: the folders of a refresh section, made absolute against the
     directory the trainer runs in, so a refresher started elsewhere finds them."""
-    from retromae_ds.ance.refresh_config import RefreshConfig, with_absolute_paths
     from retromae_ds.base.config import to_dict
+    from retromae_ds.refresher.config import RefreshConfig, with_absolute_paths
 
     monkeypatch.chdir(tmp_path)
     settings = to_dict(RefreshConfig(run_dir="runs/a", data_dir="runs/a/../d", cache_dir=""))
@@ -279,8 +280,8 @@ def test_a_read_only_negatives_folder_is_said_to_be_read_only(assets, tmp_path, 
     """``negatives/`` on a file system mounted read-only after the trainer published v0:
     the refresher's one line names the folder as not writable (read-only) and says to make
     it writable, not to free space."""
-    from retromae_ds.ance.bm25 import publish_bm25
     from retromae_ds.cli import main
+    from retromae_ds.refresher.bm25 import publish_bm25
 
     with small_disk("16m") as disk:
         run = tmp_path / "run"

@@ -141,7 +141,7 @@ def test_debug_zero_means_off(tmp_path, value):
               ["refresh", "--run_dir", ""])  # fmt: skip
     module = ["-m", "retromae_ds.cli"]
     # the local refresher and slurm/finetune.sh run the refresher as its own module
-    refresher = (["-m", "retromae_ds.ance.refresher"], ["--run_dir", ""])
+    refresher = (["-m", "retromae_ds.refresh"], ["--run_dir", ""])
     runs = [(module, c) for c in others] + [refresher]
     for launcher, command in runs if value == "0" else ():
         other = subprocess.run(

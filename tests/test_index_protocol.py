@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retromae_ds.ance import refresh_config
-from retromae_ds.ance.refresh_config import RefreshConfig, RefresherConfig
 from retromae_ds.base.options import build_config
 from retromae_ds.cli import main as cli_main
 from retromae_ds.eval.run import EvalConfig
+from retromae_ds.refresher import config as refresh_config
+from retromae_ds.refresher.config import RefreshConfig, RefresherConfig
 from retromae_ds.search.build import build
 from retromae_ds.search.exact import ExactIndex
 from retromae_ds.search.index import Index, SettingError

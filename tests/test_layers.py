@@ -47,7 +47,7 @@ OWNERS = {
     "deepspeed": {"components.engine"},
     "faiss": {"search.faiss_backend"},
     "jieba": {"data.segment"},
-    "bm25s": {"eval.lexical"},
+    "bm25s": {"retrieval.lexical"},
 }
 """Third-party packages only their owner imports (in the library; the recipes import none)."""
 
@@ -73,7 +73,7 @@ class Edge:
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
-    """``retromae_ds/ance/mining.py`` -> ``ance.mining``; the package itself -> its name
+    """``retromae_ds/refresher/mining.py`` -> ``refresher.mining``; the package itself -> its name
     (``retromae_ds``, ``retromae_recipes``)."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -217,7 +217,7 @@ def distributed_uses(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def folder_of(mod: str) -> str:
-    """``ance.mining`` -> ``ance``; a module at the package root -> its own name."""
+    """``refresher.mining`` -> ``refresher``; a module at the package root -> its own name."""
     return mod.split(".")[0]
 
 
@@ -404,7 +404,7 @@ def test_the_checker_sees_what_it_checks(tmp_path):
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     # the folder graph: a folder is a module's first name; components/ lies wholly below
     # training/ (each component owns its config) since issue 47
-    assert (folder_of("ance.mining"), folder_of("cli")) == ("ance", "cli")
+    assert (folder_of("refresher.mining"), folder_of("cli")) == ("refresher", "cli")
     assert not [
         (a, b) for a, b in kinds if a.startswith("components.") and b.startswith("training")
     ]
@@ -527,7 +527,7 @@ def step(x):
 def test_the_distributed_check_sees_calls_made_without_importing_it(tmp_path):
     """Every spelling of a ``torch.distributed`` call is found, the alias-free one after a
     plain ``import torch`` included (the import check alone missed it: the real
-    ``ance/stages.py`` makes two such calls); in ``modeling/`` and ``attention/`` each is a
+    ``refresher/stages.py`` makes two such calls); in ``modeling/`` and ``attention/`` each is a
     violation, elsewhere none."""
     assert distributed_uses(ast.parse(PLANTED_DISTRIBUTED)) == [
         (7, "torch.distributed"),
@@ -540,7 +540,7 @@ def test_the_distributed_check_sees_calls_made_without_importing_it(tmp_path):
         (16, "torch.distributed.all_gather_object"),
         (17, "torch.distributed.barrier"),
     ]
-    stages = ast.parse((PACKAGE / "ance" / "stages.py").read_text(encoding="utf-8"))
+    stages = ast.parse((PACKAGE / "refresher" / "stages.py").read_text(encoding="utf-8"))
     assert {"torch.distributed.all_gather_object", "torch.distributed.barrier"} <= {
         name for _, name in distributed_uses(stages)
     }
@@ -555,8 +555,8 @@ def test_the_distributed_check_sees_calls_made_without_importing_it(tmp_path):
             "attention/flex.py": (
                 "import torch as th\n\n\ndef f(x):\n    th.distributed.all_reduce(x)\n"
             ),
-            "ance/__init__.py": "",
-            "ance/stages.py": barrier,
+            "refresher/__init__.py": "",
+            "refresher/stages.py": barrier,
         },
     )
     assert violations(lib, EVERYTHING) == {

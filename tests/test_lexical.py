@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from retromae_ds.eval.beir import BeirData
-from retromae_ds.eval.lexical import bm25_run, evaluate_bm25
+from retromae_ds.retrieval.beir import BeirData
+from retromae_ds.retrieval.lexical import bm25_run, evaluate_bm25
 
 
 def test_bm25_ranks_by_stemmed_terms_and_skips_a_query_s_own_id():

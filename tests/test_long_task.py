@@ -9,7 +9,7 @@ import pytest
 
 from retromae_ds.cli import main as cli_main
 from retromae_ds.data.long_task import build, parse_articles
-from retromae_ds.eval.beir import load_beir
+from retromae_ds.retrieval.beir import load_beir
 
 BODY = " ".join(f"Sentence number {i} tells about the topic of item {i % 7} ." for i in range(400))
 TEXT = (

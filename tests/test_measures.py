@@ -1,5 +1,5 @@
 """The ``Measure`` extension point (issue 56): one registry of ranking measures
-(``retromae_ds.eval.metrics.MEASURES``) read by ``retromae-ds eval --measures``, by the
+(``retromae_ds.retrieval.metrics.MEASURES``) read by ``retromae-ds eval --measures``, by the
 evaluation during pre-training (``--eval.measures``) and, through its first measure, by the
 trainer's progress line. A non-default list gives exactly those keys, with the values
 pytrec_eval (trec_eval) computes on the same run; an unknown name is refused in one line before
@@ -17,10 +17,10 @@ from helpers_plugins import install_package
 
 from retromae_ds.base.options import build_config
 from retromae_ds.cli import main as cli_main
-from retromae_ds.eval import metrics
-from retromae_ds.eval.encode import HFEncoder
 from retromae_ds.eval.periodic import PeriodicEval, PeriodicEvalConfig
 from retromae_ds.eval.run import EvalConfig
+from retromae_ds.retrieval import metrics
+from retromae_ds.retrieval.encode import HFEncoder
 
 from helpers_model import tiny_bert_dir
 from synthetic import synthetic_texts

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retromae_ds.eval.metrics import (
+from retromae_ds.retrieval.metrics import (
     evaluate_run,
     max_cutoff,
     mrr_at_k,

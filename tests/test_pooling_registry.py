@@ -1,7 +1,7 @@
 """One definition of each pooling (``retromae_ds.hf.pooling.POOLINGS``), used by every job.
 
-(a) The evaluation encoder, the fine-tuning model (``ance.model.DualEncoder``), the
-refresher's encoder (``ance.stages.encode_rows``' pooling) and an export give, for every
+(a) The evaluation encoder, the fine-tuning model (``finetuning.model.DualEncoder``), the
+refresher's encoder (``refresher.stages.encode_rows``' pooling) and an export give, for every
 built-in pooling, the vectors of the pooling arithmetic written out here: CLS the first
 state, mean the mask-weighted mean, DupMAE's the ordinary-token vector (``modeling.bow``) and
 [CLS] concatenated with it.
@@ -21,17 +21,17 @@ import pytest
 import torch
 from helpers_plugins import install_package
 
-from retromae_ds.ance.model import DualEncoder, load_tower
 from retromae_ds.base.options import build_config
 from retromae_ds.cli import main as cli_main
-from retromae_ds.eval import metrics
-from retromae_ds.eval.encode import HFEncoder
 from retromae_ds.eval.periodic import PeriodicEvalConfig
 from retromae_ds.export import export_encoder
 from retromae_ds.finetune import FinetuneConfig
+from retromae_ds.finetuning.model import DualEncoder, load_tower
 from retromae_ds.hf import pooling as pooling_module
 from retromae_ds.hf import sbert
 from retromae_ds.modeling.bow import bow_vectors
+from retromae_ds.retrieval import metrics
+from retromae_ds.retrieval.encode import HFEncoder
 
 from helpers_ance import fake_checkpoint
 from helpers_model import small_config

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from helpers_disk import fill, small_disk
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import embed_shards, handoff
-from retromae_ds.ance.embed_shards import Shard, ShardRows
 from retromae_ds.base import faults
 from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.refresher import embed_shards
+from retromae_ds.refresher.embed_shards import Shard, ShardRows
 
 from helpers_ance import (
     ENV,
@@ -122,7 +123,7 @@ def assets(tmp_path_factory, tokenizer_dir) -> SimpleNamespace:
 
 
 def _config(assets: SimpleNamespace, run: Path, **kwargs):
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     settings = dict(
         run_dir=str(run), data_dir=str(assets.data), batch_size=8, device="cpu", progress=False,
@@ -133,7 +134,7 @@ def _config(assets: SimpleNamespace, run: Path, **kwargs):
 
 def _new_run(assets: SimpleNamespace, run: Path, **kwargs):
     """A run folder with BM25's v0 published and a step-4 checkpoint: (config, checkpoint)."""
-    from retromae_ds.ance.bm25 import publish_bm25
+    from retromae_ds.refresher.bm25 import publish_bm25
 
     cfg = _config(assets, run, **kwargs)
     publish_bm25(cfg, assets.ts, RunLayout(run).negatives)
@@ -148,7 +149,8 @@ def _negatives(run: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def clean(assets) -> SimpleNamespace:
     """One refresh without faults: its manifest and negatives."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     run = assets.base / "clean"
     cfg, checkpoint = _new_run(assets, run)
@@ -157,7 +159,7 @@ def clean(assets) -> SimpleNamespace:
 
 
 def _counting(patch: pytest.MonkeyPatch) -> list[str]:
-    from retromae_ds.ance import stages
+    from retromae_ds.refresher import stages
 
     calls: list[str] = []
     real = stages.encode_rows
@@ -198,7 +200,8 @@ def test_a_corrupted_embedding_shard_is_redone_and_never_searched(tmp_path, asse
     vector of one of them (0.3 → 1e38: that passage would top every query whose component
     has its sign) fails the checksum when the next refresher's search opens it: that shard
     alone is encoded again, and the version equals a clean run's."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     class Stop(Exception):
         pass
@@ -236,7 +239,8 @@ def test_a_shard_that_changes_after_it_was_written_is_encoded_again(tmp_path, as
     write of shard 1): the search stage's check catches it, the shard is written again and
     the version equals a clean run's; a disk that corrupts every write stops the refresh in
     one line instead of looping."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     real_write = embed_shards.write
     corrupt: dict[int, int] = {}
@@ -268,7 +272,8 @@ def test_float16_shards_halve_the_disk_and_hold_the_rounded_embeddings(tmp_path,
     """``embedding_dtype float16``: each shard holds its float32 embeddings rounded to half
     precision (2 bytes a component on disk) and the version publishes. What the rounding
     costs in recall is measured on real embeddings (docs/ance.md), not on a random encoder."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     cfg, checkpoint = _new_run(assets, tmp_path / "half", embedding_dtype="float16")
     written = {}
@@ -297,7 +302,8 @@ def test_a_flipped_bit_in_the_embedding_cache_is_a_miss_never_searched(tmp_path,
     a hit, and that passage a negative for most queries. The entry's checksum fails: a miss,
     said in one line, the rows encoded again and the entry rewritten; the published negatives
     equal those of a run without a cache."""
-    from retromae_ds.ance import refresher, stages
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
 
     cache = tmp_path / "cache"
     cfg, checkpoint = _new_run(assets, tmp_path / "plain", shard_rows=1024)

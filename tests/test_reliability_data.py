@@ -190,7 +190,7 @@ def test_atomic_write_text_follows_the_umask(tmp_path, umask_022):
 def test_negatives_files_follow_the_umask(tmp_path, umask_022):
     import numpy as np
 
-    from retromae_ds.ance import handoff
+    from retromae_ds.finetuning import handoff
 
     handoff.publish(tmp_path, 0, [np.array([1, 2], dtype=np.int64)], step=1)
     written = [p for p in tmp_path.rglob("*") if p.is_file()]

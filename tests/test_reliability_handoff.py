@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
 from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 
 from helpers_ance import ENV, load_current, write_synthetic_beir, write_tiny_encoder
 
@@ -34,8 +34,8 @@ def _content(num_queries: int, seed: int) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def bm25_run(tmp_path_factory, tokenizer_dir) -> tuple[Path, ance_data.TrainingSet]:
     """A run folder with prepared data and the BM25 version 0 (copied per test)."""
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     from helpers_ance import prepared_set  # the same prepared folder as the refresher tests
 
@@ -90,7 +90,7 @@ class _Notes:
 
 
 def test_trainer_keeps_its_version_when_the_pointer_is_corrupted(bm25_run, tmp_path):
-    from retromae_ds.ance.negatives import NegativesInUse, load_negatives
+    from retromae_ds.finetuning.negatives import NegativesInUse, load_negatives
 
     run, ts = _copy_run(bm25_run, tmp_path)
     root = RunLayout(run).negatives
@@ -131,7 +131,7 @@ def test_trainer_keeps_its_version_when_the_pointer_is_corrupted(bm25_run, tmp_p
 
 
 def test_start_up_falls_back_past_a_bad_pointer_or_fails_naming_it(bm25_run, tmp_path):
-    from retromae_ds.ance.negatives import start_version
+    from retromae_ds.finetuning.negatives import start_version
 
     run, ts = _copy_run(bm25_run, tmp_path)
     root = RunLayout(run).negatives
@@ -149,7 +149,7 @@ def test_start_up_falls_back_past_a_bad_pointer_or_fails_naming_it(bm25_run, tmp
 
 
 def test_waiting_for_mined_negatives_reports_a_bad_pointer_once(tmp_path):
-    from retromae_ds.ance.negatives import wait_for_mined
+    from retromae_ds.finetuning.negatives import wait_for_mined
 
     root = tmp_path / "negatives"
     handoff.publish(root, 0, _content(4, 0), step=0)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from retromae_ds.cli import main
-from retromae_ds.eval.encode import HFEncoder
 from retromae_ds.eval.run import evaluate_beir
 from retromae_ds.export import export_encoder
+from retromae_ds.retrieval.encode import HFEncoder
 
 WORDS = ["apple", "banana", "cherry"]
 
@@ -167,7 +167,7 @@ def test_a_tokenizer_far_smaller_than_the_model_vocabulary_is_an_error(models, t
 
 
 def test_fine_tuning_data_refuses_an_init_folder_without_tokenizer(models, tmp_path):
-    from retromae_ds.ance.data import prepare
+    from retromae_ds.finetuning.data import prepare
 
     beir = write_beir(tmp_path / "ds", corpus_ids=["d0", "d1", "d2"])
     with pytest.raises(ValueError, match=r"no_tokenizer.*no tokenizer files"):

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from retromae_ds.eval.beir import BeirData
-from retromae_ds.eval.metrics import evaluate_run
 from retromae_ds.eval.rerank import (
     bm25_candidates,
     evaluate_rerank,
     load_candidates,
     rerank_run,
 )
+from retromae_ds.retrieval.beir import BeirData
+from retromae_ds.retrieval.metrics import evaluate_run
 
 ir_measures = pytest.importorskip("ir_measures", reason="ir-measures (dev extra) not installed")
 # q1's positive d0 ties the negative d3 (score 0): trec_eval ranks ties by id descending
@@ -79,7 +79,7 @@ def test_map_at_k_equals_trec_eval_map_cut():
 
 
 def test_bm25_candidates_hold_every_positive_and_only_non_positive_negatives(shared_data):
-    from retromae_ds.eval.beir import load_beir
+    from retromae_ds.retrieval.beir import load_beir
 
     data = load_beir(shared_data / "scifact", "test")
     lists = bm25_candidates(data, negatives=9)

@@ -96,8 +96,8 @@ def _finetune(
 def test_finetuning_trains_and_saves_with_the_inits_pooling(tmp_path, tokenizer_dir):
     from sentence_transformers import SentenceTransformer
 
-    from retromae_ds.eval.encode import HFEncoder
     from retromae_ds.export import export_encoder
+    from retromae_ds.retrieval.encode import HFEncoder
 
     beir = write_synthetic_beir(tmp_path / "beir", num_docs=60, num_queries=16)
     init = write_tiny_encoder(tmp_path / "init", tokenizer_dir)

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from retromae_ds.ance import data as ance_data
 from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
 from retromae_ds.search.approximate import ApproximateIndex
 from retromae_ds.search.build import build_index, resolve_index
 from retromae_ds.search.exact import ExactIndex, rescore
@@ -204,7 +204,7 @@ def test_auto_rule_is_the_documented_one():
 def test_errors_name_the_setting_at_fault(kind, settings, message):
     """``retromae_ds.search`` names its settings bare; the trainer's refresh section, which
     read them, re-raises every error with its own option names (``refresh.``)."""
-    from retromae_ds.ance.refresh_config import RefreshConfig
+    from retromae_ds.refresher.config import RefreshConfig
 
     options = {("search_backend" if k == "backend" else k): v for k, v in settings.items()}
     with pytest.raises(ValueError, match=message):
@@ -218,9 +218,9 @@ def test_too_few_vectors_at_add_time_names_the_index():
 
 
 def test_refresh_config_with_an_approximate_index_round_trips(tmp_path):
-    from retromae_ds.ance.refresh_config import RefreshConfig
     from retromae_ds.base.config import to_dict
     from retromae_ds.base.options import build_config
+    from retromae_ds.refresher.config import RefreshConfig
 
     cfg = RefreshConfig(index="IVF1024,PQ32", nprobe=64, train_size=100_000)
     path = tmp_path / "refresh.json"
@@ -245,9 +245,10 @@ def test_refresher_mines_through_an_approximate_index(tmp_path, tokenizer_dir):
     search mines, with ``hnsw`` it publishes a version too (each manifest says what the
     index resolved to), and a setting the corpus cannot satisfy stops it, naming the setting,
     before anything is encoded."""
-    from retromae_ds.ance import refresher, stages
-    from retromae_ds.ance.bm25 import publish_bm25
-    from retromae_ds.ance.refresh_config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher import process as refresher
+    from retromae_ds.refresher import stages
+    from retromae_ds.refresher.bm25 import publish_bm25
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 
     from helpers_ance import fake_checkpoint, prepared_set
 

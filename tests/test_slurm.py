@@ -383,7 +383,7 @@ FT_CKPT_EVERY = 10  # has started, were it not held (below)
 def test_finetune_trainer_and_refresher_as_concurrent_steps(one_node, tmp_path, tokenizer_dir):
     """slurm/finetune.sh on 1 node x 2 tasks: 1 trainer task + 1 refresher task, two
     concurrent ``srun --exact`` steps talking through the run folder only."""
-    from retromae_ds.ance import handoff
+    from retromae_ds.finetuning import handoff
 
     from helpers_ance import write_synthetic_beir, write_tiny_encoder
 

@@ -1,5 +1,4 @@
-"""ANCE fine-tuning support: the negatives hand-off, hard-negative mining, the training data
-and loss of the dual encoder, and the asynchronous refresher (``retromae-ds refresh``).
-
-The trainer is ``retromae_ds.finetune`` (``retromae-ds finetune``); see docs/ance.md.
-"""
+"""The old home of fine-tuning (now ``retromae_ds.finetuning``, the trainer's side, and
+``retromae_ds.refresher``, the refresher process). Kept only so that a command line written
+before the split (``python -m retromae_ds.ance.refresher``, e.g. a Slurm job requeued with its
+original script) goes on working."""

@@ -1,6 +1,6 @@
 """One description per command: ``retromae-ds NAME --help``, the front door's list
 (``cli``) and a job's own ``python -m`` path (``retromae_ds.pretrain`` under a launcher,
-``retromae_ds.ance.refresher`` started by the trainer) all read it here, so both spellings
+``retromae_ds.refresher.process`` started by the trainer) all read it here, so both spellings
 describe the command the same way."""
 
 DESCRIPTIONS = {

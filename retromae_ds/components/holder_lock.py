@@ -1,7 +1,7 @@
 """An exclusive ``flock`` on a lock file that names its holder (host, pid, start time).
 
 The one mechanism behind "one writer per run folder" (``components.run_lock``: ``RUN/.lock``) and
-"one refresher per negatives folder" (``ance.refresher``: ``negatives/.refresher.lock``). The
+"one refresher per negatives folder" (``refresher.process``: ``negatives/.refresher.lock``). The
 kernel drops the lock when its process dies, so a crashed holder leaves no stale lock: the
 next one takes it over and says whose it was. On a filesystem without ``flock`` support the
 caller goes on with a warning.

@@ -22,8 +22,8 @@ layout is written down once::
             step_00000200.partial/   being written, or left by a crash: never read
             step_00000300.corrupt/   set aside by a resume (never read again; counted at
             step_00000300.superseded/  every start, deleted by --checkpoint.prune_set_aside)
-        data/                    fine-tuning: the tokenized BEIR split (retromae_ds.ance.data)
-        negatives/               fine-tuning: versioned hard negatives (retromae_ds.ance.handoff)
+        data/                    fine-tuning: the tokenized BEIR split (retromae_ds.finetuning.data)
+        negatives/               fine-tuning: versioned hard negatives (retromae_ds.finetuning.handoff)
         refresh_config.json      fine-tuning: the refresher's settings, for any refresher
         refresher.log            the local refresher's output
         refresh_metrics.jsonl    the refresher's timings per published version

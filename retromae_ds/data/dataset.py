@@ -271,7 +271,7 @@ class ShardDataset:
         """Every shard's sha256 against the manifest and its token ids against the
         vocabulary, shards in parallel (hashlib and numpy release the GIL): the start of one
         line naming the first bad shard (and how many more), or None when all are whole. A
-        reader whose data is made again another way says how (``ance.data.load``)."""
+        reader whose data is made again another way says how (``finetuning.data.load``)."""
         vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
         shards = self.manifest["shards"]
         threads = max(1, min(8, len(shards), os.cpu_count() or 1))

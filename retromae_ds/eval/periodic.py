@@ -7,7 +7,7 @@ depends only on ``sample_seed``, so every run â€” every objective, every seed â€
 the same queries and documents), and, called with the current encoder, encodes the sample once
 and scores CLS and mean pooling (or DupMAE's, ``retromae_ds.modeling.bow``) side by side: the
 measures of ``--eval.measures`` (default nDCG@10, MRR@10 and Recall@100; any measure of
-``retromae_ds.eval.metrics.MEASURES``) by exact inner-product search, the same code as
+``retromae_ds.retrieval.metrics.MEASURES``) by exact inner-product search, the same code as
 ``retromae-ds eval`` (``evaluate_embeddings``).
 
 It never disturbs the training it observes: the model is put in eval mode and back, no
@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from retromae_ds.eval.beir import BeirData, check_beir, load_beir
-from retromae_ds.eval.metrics import TRAINING_MEASURES, check_measures
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import CLS, MEAN, check_pooling
+from retromae_ds.retrieval.beir import BeirData, check_beir, load_beir
+from retromae_ds.retrieval.metrics import TRAINING_MEASURES, check_measures
 
 
 @dataclass(kw_only=True)
@@ -137,8 +137,8 @@ class PeriodicEval:
         """``{"eval/NAME/POOLING/MEASURE": value, ..., "eval_seconds": s}``; leaves the model's
         mode and every random-number generator as it found them. The DupMAE poolings need
         ``model`` to be the masked-LM model (its MLM head)."""
-        from retromae_ds.eval.encode import HFEncoder
         from retromae_ds.eval.run import evaluate_embeddings
+        from retromae_ds.retrieval.encode import HFEncoder
 
         cfg, t = self.cfg, time.perf_counter()
         device = next(model.parameters()).device

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from retromae_ds.data.sources import text_lines
-from retromae_ds.eval.beir import BeirData
-from retromae_ds.eval.metrics import evaluate_run
+from retromae_ds.retrieval.beir import BeirData
+from retromae_ds.retrieval.metrics import evaluate_run
 
 RERANK_MEASURES = ("map", "mrr@10")
 DEFAULT_NEGATIVES = 19
@@ -42,7 +42,7 @@ Candidates = dict[str, dict[str, list[str]]]
 def bm25_candidates(data: BeirData, negatives: int = DEFAULT_NEGATIVES) -> Candidates:
     """Every judged query with a positive: its positives, and as negatives the top
     ``negatives`` BM25 documents that are not positives."""
-    from retromae_ds.eval.lexical import bm25_search
+    from retromae_ds.retrieval.lexical import bm25_search
 
     text_of = dict(zip(data.query_ids, data.query_texts, strict=True))
     qids = [q for q in data.qrels if _positives(data.qrels[q]) and q in text_of]

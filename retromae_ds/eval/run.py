@@ -5,7 +5,7 @@ split's queries, searches the top ``max(k)`` documents per query by inner produc
 index ``index`` names (``retromae_ds.search``; default ``flat``, exact search; any setting of
 the refresher's ``refresh.index``, with ``nprobe`` / ``ef_search`` / ``train_size``),
 computes the measures asked (default nDCG@10, MRR@10, Recall@100/1000; any measure
-registered in ``retromae_ds.eval.metrics``), prints a small table
+registered in ``retromae_ds.retrieval.metrics``), prints a small table
 and optionally writes everything (means, per-query values, settings, timings) to a JSON file. ``retrieve`` and ``evaluate_embeddings`` are the same steps for callers
 that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +42,6 @@ import numpy as np
 import torch
 
 from retromae_ds.base.config import flag
-from retromae_ds.eval.beir import BeirData, check_beir, load_beir
-from retromae_ds.eval.encode import Encoder, HFEncoder, encode_texts
-from retromae_ds.eval.metrics import (
-    DEFAULT_MEASURES,
-    Run,
-    check_measures,
-    evaluate_run,
-    max_cutoff,
-)
 from retromae_ds.eval.rerank import (
     DEFAULT_NEGATIVES,
     bm25_candidates,
@@ -61,6 +52,15 @@ from retromae_ds.eval.result_file import check_out, write_result
 from retromae_ds.eval.towers import Towers, load_newest
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import Choices, check_pooling
+from retromae_ds.retrieval.beir import BeirData, check_beir, load_beir
+from retromae_ds.retrieval.encode import Encoder, HFEncoder, encode_texts
+from retromae_ds.retrieval.metrics import (
+    DEFAULT_MEASURES,
+    Run,
+    check_measures,
+    evaluate_run,
+    max_cutoff,
+)
 from retromae_ds.search.arrays import Backend, Metric, check_matrix
 from retromae_ds.search.build import build
 from retromae_ds.search.index import IndexChoice, spelled_as
@@ -230,7 +230,7 @@ class ScoreSettings:
     """How an evaluation turns vectors into metrics (``score``)."""
 
     measures: Sequence[str] = DEFAULT_MEASURES
-    """Metric names ``name@k`` (``retromae_ds.eval.metrics.MEASURES``), the result's keys as
+    """Metric names ``name@k`` (``retromae_ds.retrieval.metrics.MEASURES``), the result's keys as
     given; the search depth is the largest k."""
     metric: Metric = "ip"
     backend: Backend = "auto"
@@ -576,7 +576,7 @@ class EvalConfig:
     their queries in the corpus); what it drops is said in one line and recorded."""
     measures: list[str] = field(default_factory=lambda: list(DEFAULT_MEASURES))
     """Ranking measures reported, each name@k: ndcg, mrr, recall, map (or any measure
-    registered with retromae_ds.eval.metrics.register_measure); the search depth is the largest
+    registered with retromae_ds.retrieval.metrics.register_measure); the search depth is the largest
     k."""
     index: str = "flat"
     """The index searched: flat (exact), or any refresh.index setting: ivf, ivfpq, hnsw, auto
@@ -606,16 +606,3 @@ class EvalConfig:
 
 INDEX_OPTIONS = ("index", "nprobe", "ef_search", "train_size")
 """``EvalConfig``'s index options, handed to ``evaluate_beir`` as one checked setting."""
-
-
-def eval_command(cfg: EvalConfig) -> int:
-    """``retromae-ds eval``; returns the exit status. Every field of ``EvalConfig`` but the
-    model, folder, split and output file is a setting of ``evaluate_beir`` of the same name
-    (the index options as the ``IndexSetting`` checked when the config was built)."""
-    skip = ("model", "beir", "split", "out", *INDEX_OPTIONS)
-    settings = {k: v for k, v in asdict(cfg).items() if k not in skip}
-    with spelled_as(cfg.option):  # what the corpus cannot satisfy, named as eval's option
-        evaluate_beir(
-            cfg.model, cfg.beir, cfg.split, out_json=cfg.out, index=cfg.index_setting, **settings
-        )
-    return 0

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
-from retromae_ds.ance.negatives import NegativesInUse
 from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.negatives import NegativesInUse
 
 
 class BatchBuilder:

@@ -158,7 +158,7 @@ def prepare(
     ``out`` (no ``READY``) is resumed when it was started with these settings and inputs, else
     started over."""
     from retromae_ds.data.preprocess import PreprocessConfig, run_preprocess
-    from retromae_ds.eval.beir import load_qrels, load_queries
+    from retromae_ds.retrieval.beir import load_qrels, load_queries
 
     out = Path(out)
     settings = {
@@ -341,7 +341,7 @@ def _rows_of(ids: pa.ChunkedArray, wanted: set[str]) -> dict[str, int]:
 def load(prepared: str | Path) -> TrainingSet:
     """The training set of a folder written by ``prepare`` (qrels are read from the BEIR
     folder it was prepared from)."""
-    from retromae_ds.eval.beir import load_qrels
+    from retromae_ds.retrieval.beir import load_qrels
 
     prepared = Path(prepared)
     if not (prepared / READY).is_file():

@@ -16,10 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
-from retromae_ds.ance.local_refresher import start_local_refresher, stop_local_refresher
-from retromae_ds.ance.negatives import (
+from retromae_ds.base.config import resumable
+from retromae_ds.components import engine as eng
+from retromae_ds.components.layout import RunLayout
+from retromae_ds.components.signals import StopSignals
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.local_refresher import start_local_refresher, stop_local_refresher
+from retromae_ds.finetuning.negatives import (
     NegativesInUse,
     NextVersion,
     StaleNegatives,
@@ -27,10 +31,6 @@ from retromae_ds.ance.negatives import (
     start_version,
     wait_for_mined,
 )
-from retromae_ds.base.config import resumable
-from retromae_ds.components import engine as eng
-from retromae_ds.components.layout import RunLayout
-from retromae_ds.components.signals import StopSignals
 
 
 @dataclass(kw_only=True)

@@ -49,7 +49,7 @@ def start_local_refresher(cfg_file: Path, log_file: Path) -> subprocess.Popen:
     }
     log = open(log_file, "ab")  # noqa: SIM115 (lives as long as the process)
     me = os.getpid()
-    cmd = [sys.executable, "-m", "retromae_ds.ance.refresher", "--config", str(cfg_file)]
+    cmd = [sys.executable, "-m", "retromae_ds.refresh", "--config", str(cfg_file)]
     return subprocess.Popen(
         [*cmd, "--parent_pid", str(me)],
         env=env,

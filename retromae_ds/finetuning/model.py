@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from retromae_ds.ance.loss import contrastive_loss
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
+from retromae_ds.finetuning.loss import contrastive_loss
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import DEFAULT_POOLING, check_pooling, get_pooling
 from retromae_ds.modeling.bow import bow_vectors, head_weights

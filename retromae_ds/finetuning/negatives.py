@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
 from retromae_ds.base.errors import RunFailed
 from retromae_ds.components import engine as eng
 from retromae_ds.components.signals import StopAfterCheckpoint, StopRequested, StopSignals
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
 
 
 def load_negatives(root: Path, version: int, ts: ance_data.TrainingSet) -> handoff.Negatives:

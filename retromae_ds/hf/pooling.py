@@ -5,7 +5,7 @@ needs the encoder's MLM head (DupMAE's do), the size of the embedding it gives f
 of hidden size H and vocabulary V, the function that pools a batch, and how the
 sentence-transformers ``Pooling`` module names it (``1_Pooling/config.json``). ``POOLINGS``
 is the one registry of them: evaluation (``eval.encode.HFEncoder``), the evaluation during
-pre-training, fine-tuning (``ance.model.DualEncoder``), the refresher (``ance.stages``),
+pre-training, fine-tuning (``finetuning.model.DualEncoder``), the refresher (``refresher.stages``),
 export and the sentence-transformers files (``hf.sbert``) all look a pooling up there, so the
 option lists (``--pooling``, ``--model.pooling``, ``--eval.poolings``) are its names.
 

@@ -1,7 +1,7 @@
 """The first negatives of a fine-tuning run: BM25's top-K (``eval.lexical``, language-aware),
-one more ranking handed to the refresher's own mine-and-publish path (``ance.publish``) with
+one more ranking handed to the refresher's own mine-and-publish path (``refresher.publish``) with
 the run's mining settings and seed. With ``refresh.mode pool`` its top K' are kept as v0's
-candidate pool (``ance.candidate_pool``)."""
+candidate pool (``refresher.candidate_pool``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import handoff
-from retromae_ds.ance.candidate_pool import Plan, pool_width, prune, save_pool
-from retromae_ds.ance.data import TrainingSet
-from retromae_ds.ance.publish import Ranking, mine_and_publish
-from retromae_ds.ance.refresh_config import RefreshConfig
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.data import TrainingSet
+from retromae_ds.refresher.candidate_pool import Plan, pool_width, prune, save_pool
+from retromae_ds.refresher.config import RefreshConfig
+from retromae_ds.refresher.publish import Ranking, mine_and_publish
 
 
 def bm25_rankings(
@@ -27,7 +27,7 @@ def bm25_rankings(
     """Top-``k`` passage indices per query by BM25 (``eval.lexical.bm25_search``: English
     stop words and stemmer, or jieba words / Han characters for Chinese), ``[Q, k]``, ``-1``
     where the corpus is smaller than k."""
-    from retromae_ds.eval.lexical import bm25_search
+    from retromae_ds.retrieval.lexical import bm25_search
 
     ids, _, _ = bm25_search(passages, queries, k, progress=progress)
     if ids.shape[1] < k:
@@ -38,14 +38,14 @@ def bm25_rankings(
 def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[str, Any]:
     """Version 0 (or the next free one) under the negatives folder ``root``: BM25 top-K,
     positives removed, n sampled with ``cfg.mining``; returns its manifest."""
-    from retromae_ds.eval.beir import load_corpus, load_queries
+    from retromae_ds.retrieval.beir import load_corpus, load_queries
 
     settings = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
     t0 = time.perf_counter()
     doc_ids, texts = load_corpus(Path(settings["beir"]) / "corpus.jsonl")
     text_of = dict(zip(doc_ids, texts, strict=True))
     queries = load_queries(Path(settings["beir"]) / "queries.jsonl")
-    from retromae_ds.eval.lexical import choose_analyzer
+    from retromae_ds.retrieval.lexical import choose_analyzer
 
     passages = [text_of[d] for d in ts.passage_ids.to_pylist()]
     # refresh.mode pool: the top K' are kept as this version's candidate pool

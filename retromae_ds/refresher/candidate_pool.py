@@ -45,15 +45,15 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds.ance import handoff
-from retromae_ds.ance.data import TrainingSet
-from retromae_ds.ance.embed_shards import Shard, ShardRows
-from retromae_ds.ance.mining import positive_pairs
-from retromae_ds.ance.publish import Ranking
-from retromae_ds.ance.refresh_config import RefreshConfig
-from retromae_ds.ance.stages import Job, split, writing
 from retromae_ds.base import faults
 from retromae_ds.base.fsutil import atomic_save_npy_hashed, atomic_write_text, sha256_file
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.data import TrainingSet
+from retromae_ds.refresher.config import RefreshConfig
+from retromae_ds.refresher.embed_shards import Shard, ShardRows
+from retromae_ds.refresher.mining import positive_pairs
+from retromae_ds.refresher.publish import Ranking
+from retromae_ds.refresher.stages import Job, split, writing
 
 POOLS = "pools"
 """The pools' folder inside the negatives folder."""

@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from retromae_ds.ance.embed_shards import DTYPES
-from retromae_ds.ance.mining import STRATEGIES
 from retromae_ds.base.config import resumable
+from retromae_ds.refresher.embed_shards import DTYPES
+from retromae_ds.refresher.mining import STRATEGIES
 from retromae_ds.search.index import IndexChoice, spelled_as
 from retromae_ds.search.kinds import IndexSetting, index_setting
 
@@ -129,7 +129,7 @@ class RefreshConfig:
     batch_size: int = 128
     """Texts per forward pass."""
     shard_rows: int = 65536
-    """Passages per embedding shard (``retromae_ds.ance.embed_shards``): each shard is encoded
+    """Passages per embedding shard (``retromae_ds.refresher.embed_shards``): each shard is encoded
     and written whole (temp + rename, with a manifest and its sha256), the refresher's ranks
     split the shards, a killed refresher keeps the shards it finished, and encoding holds one
     shard in memory at a time (65,536 × 768 float32: 192 MiB)."""
@@ -149,7 +149,7 @@ class RefreshConfig:
     not oversubscribe them (benchmarks/bench_ance.py). A step-0 checkpoint (``mine_first``:
     the trainer waits) is always encoded with torch's default."""
     cache_dir: str = ""
-    """Embedding cache shared between runs (``retromae_ds.ance.embed_cache``): embeddings are
+    """Embedding cache shared between runs (``retromae_ds.refresher.embed_cache``): embeddings are
     stored under the sha256 of the encoder's files, the data, the rows, pooling and precision,
     and loaded instead of encoded when a run meets the same again, e.g. the step-0 checkpoint
     of every seed from one init. Empty: off. Never evicted; safe to delete."""
@@ -176,7 +176,7 @@ class RefreshConfig:
     refresh_config.json, which other refreshers of the run read too."""
     mode: str = "full"
     """``full``: every version encodes the whole corpus and searches it. ``pool``: a version
-    may instead re-score a candidate pool (``retromae_ds.ance.candidate_pool``): each
+    may instead re-score a candidate pool (``retromae_ds.refresher.candidate_pool``): each
     training query's top ``pool_k`` from the last full refresh (kept as
     ``negatives/pools/v{N}.npy`` with its sha256), re-scored exactly with the new
     checkpoint's towers and pooling, which encode only the queries and the pool's passages
@@ -275,7 +275,7 @@ class RefresherMiningConfig(MiningConfig):
 
 @dataclass(kw_only=True)
 class RefresherConfig(RefreshConfig):
-    """The settings of ``retromae-ds refresh`` (and ``python -m retromae_ds.ance.refresher``,
+    """The settings of ``retromae-ds refresh`` (and ``python -m retromae_ds.refresh``,
     which the trainer's local refresher and slurm/finetune.sh run): ``RefreshConfig``'s, read
     without the trainer's ``refresh.`` prefix (``--index``, ``--mining.top_k``), and so named
     in its errors."""

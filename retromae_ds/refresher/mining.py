@@ -24,7 +24,7 @@ rule under the same name (``mining.ignore_identical_ids``): ``identical_passages
 query's own passage, ``mine`` never takes it as a negative (``excluded``), and the version's
 manifest counts the drops (``publish.mine_and_publish``).
 
-The first ranking of a fine-tuning run, BM25's, is mined here too (``ance.bm25``).
+The first ranking of a fine-tuning run, BM25's, is mined here too (``refresher.bm25``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The asynchronous hard-negative refresher: ``retromae-ds refresh --run_dir RUN [...]``.
 
-Also ``python -m retromae_ds.ance.refresher``. The loop, its guards and one refresh live here;
-the stages it runs are ``retromae_ds.ance.stages``. A separate process (or Slurm job step, or the
+Also ``python -m retromae_ds.refresh``. The loop, its guards and one refresh live here;
+the stages it runs are ``retromae_ds.refresher.stages``. A separate process (or Slurm job step, or the
 trainer's ``--refresher local`` subprocess) that loops:
 
 1. wait for a *complete* trainer checkpoint newer than the one behind the current negatives;
@@ -53,7 +53,6 @@ the trainer meanwhile) is skipped once, not retried.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -66,11 +65,16 @@ from typing import Any
 
 import torch
 
-from retromae_ds.ance import candidate_pool, embed_shards, handoff
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance.publish import Ranking, mine_and_publish
-from retromae_ds.ance.refresh_config import RefreshConfig, RefresherConfig
-from retromae_ds.ance.stages import (
+from retromae_ds.base import faults
+from retromae_ds.components import checkpoint as ckpt
+from retromae_ds.components import holder_lock
+from retromae_ds.components.layout import RunLayout
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.refresher import candidate_pool, embed_shards
+from retromae_ds.refresher.config import RefreshConfig
+from retromae_ds.refresher.publish import Ranking, mine_and_publish
+from retromae_ds.refresher.stages import (
     MAX_ENCODE_ROUNDS,
     RANKING,
     Group,
@@ -83,11 +87,6 @@ from retromae_ds.ance.stages import (
     search_stage,
     verify_stage,
 )
-from retromae_ds.base import faults
-from retromae_ds.base.options import run_command
-from retromae_ds.components import checkpoint as ckpt
-from retromae_ds.components import holder_lock
-from retromae_ds.components.layout import RunLayout
 
 # --------------------------------------------------------------------------- guards
 LOCK = ".refresher.lock"
@@ -581,42 +580,3 @@ def _next_action(cfg: RefreshConfig, layout: RunLayout, data_dir: Path, watch: W
         f"{current or 'the current version'}"
     )
     return Decision("wait", why=why, ready=True)
-
-
-def refresh_command(cfg: RefreshConfig) -> None:
-    """``retromae-ds refresh``: :func:`run_refresher`, a failed negatives write reported with
-    what the user can do about it (free space on a full disk; make a read-only or
-    permission-denied folder writable)."""
-    try:
-        run_refresher(cfg)
-    except handoff.NegativesWriteError as exc:
-        if exc.errno in handoff.NOT_WRITABLE:
-            fix = f"make {RunLayout(cfg.run_dir).negatives} writable"
-        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            fix = "free space there"
-        else:
-            fix = "fix that"
-        error = handoff.NegativesWriteError(
-            f"{exc}; the trainer trains on with the version it has: {fix} and start the "
-            "refresher again (a resumed fine-tuning starts its local one)"
-        )
-        error.errno = exc.errno
-        raise error from exc
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m retromae_ds.ance.refresher`` (the trainer's local refresher and
-    slurm/finetune.sh start it so): the same command as ``retromae-ds refresh``; one error
-    line, exit 2 for bad input and 1 for files, a traceback only with ``RETROMAE_DS_DEBUG``
-    on (``errors.run_reporting``)."""
-    return run_command(
-        RefresherConfig,
-        refresh_command,
-        argv,
-        prog="retromae-ds refresh",
-        description=__doc__.splitlines()[0],
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,5 @@
 """The one path from a ranking to a published negatives version: BM25's first ranking
-(``ance.bm25``) and every dense search of the refresher (``ance.refresher``) end here.
+(``refresher.bm25``) and every dense search of the refresher (``refresher.process``) end here.
 
 ``Ranking`` is what a search stage hands over (``[Q, K]`` passage indices best first, and for
 a dense search their scores and the score of each query's lowest-scoring positive, which the
@@ -22,16 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds.ance import handoff
-from retromae_ds.ance.data import TrainingSet
-from retromae_ds.ance.mining import (
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.data import TrainingSet
+from retromae_ds.refresher.config import MiningConfig, mining_settings
+from retromae_ds.refresher.mining import (
     drop_identical,
     drop_likely_positives,
     identical_passages,
     min_per_query,
     mine,
 )
-from retromae_ds.ance.refresh_config import MiningConfig, mining_settings
 
 
 @dataclass(frozen=True)

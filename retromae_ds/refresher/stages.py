@@ -1,5 +1,5 @@
 """The refresher's stages, each leaving its output in ``negatives/.work/v{N}`` before the next
-starts (``retromae_ds.ance.refresher`` runs them for every new checkpoint):
+starts (``retromae_ds.refresher.process`` runs them for every new checkpoint):
 
 1. ``encode_stage``: the passages in shards of ``refresh.shard_rows``
    (``passages/shard_{s}.npy`` + its manifest, ``embed_shards``), each rank a contiguous run
@@ -36,23 +36,24 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from retromae_ds.ance import data as ance_data
-from retromae_ds.ance import embed_shards, handoff
-from retromae_ds.ance.embed_cache import EmbeddingCache, folder_digest, rows_digest
-from retromae_ds.ance.embed_shards import PASSAGES, Shard, ShardRows
-from retromae_ds.ance.mining import positive_scores
-from retromae_ds.ance.model import load_tower
-from retromae_ds.ance.publish import Ranking
-from retromae_ds.ance.refresh_config import RefreshConfig
 from retromae_ds.base import faults
 from retromae_ds.base.fsutil import atomic_save_npy, atomic_write_text
 from retromae_ds.base.special_tokens import SpecialIds
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
 from retromae_ds.data.dataset import ShardDataset
-from retromae_ds.eval.encode import resolve_device
+from retromae_ds.finetuning import data as ance_data
+from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning.model import load_tower
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import get_pooling
 from retromae_ds.modeling.bow import bow_vectors
+from retromae_ds.refresher import embed_shards
+from retromae_ds.refresher.config import RefreshConfig
+from retromae_ds.refresher.embed_cache import EmbeddingCache, folder_digest, rows_digest
+from retromae_ds.refresher.embed_shards import PASSAGES, Shard, ShardRows
+from retromae_ds.refresher.mining import positive_scores
+from retromae_ds.refresher.publish import Ranking
+from retromae_ds.retrieval.encode import resolve_device
 
 if TYPE_CHECKING:
     from retromae_ds.search.index import Index, IndexChoice

@@ -1,5 +1,5 @@
 """BM25: the lexical reference every dense figure is read against, and the first hard
-negatives of fine-tuning (``ance.mining``), with one language-aware analyzer.
+negatives of fine-tuning (``refresher.mining``), with one language-aware analyzer.
 
 ``bm25_search(passages, queries, k)`` ranks with ``bm25s`` (Lucene's BM25, k1 = 1.5,
 b = 0.75). The analyzer follows the text: English text gets English stop words and the
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from retromae_ds.eval.beir import BeirData, check_beir, load_beir
-from retromae_ds.eval.metrics import DEFAULT_MEASURES, evaluate_run, max_cutoff
+from retromae_ds.retrieval.beir import BeirData, check_beir, load_beir
+from retromae_ds.retrieval.metrics import DEFAULT_MEASURES, evaluate_run, max_cutoff
 
 ANALYZERS = ("auto", "english", "jieba", "chars")
 _HAN_CHAR = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002fa1f"

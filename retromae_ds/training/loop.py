@@ -662,14 +662,12 @@ def job_main(
     argv: list[str] | None,
     *,
     prog: str,
-    description: str = "",
-    doc: str = "",
+    description: str,
 ) -> int:
     """``python -m retromae_ds.JOB`` (what the ``deepspeed`` launcher, ``torchrun`` and the Slurm
     scripts start): the job's ``retromae-ds`` command through the one entry path
     (``options.run_command``) with its one description (``base.commands``), reporting bad
     input and a failed run in one line."""
-    description = description or doc.splitlines()[0]
     return run_command(
         config_cls, command, argv, prog=prog, description=description, errors=JOB_ERRORS
     )

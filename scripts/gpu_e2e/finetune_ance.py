@@ -72,7 +72,7 @@ def step(args: argparse.Namespace, runner: Runner) -> tuple[str, dict]:
     )  # fmt: skip
 
     sys.path.insert(0, str(REPO))
-    from retromae_ds.ance import handoff
+    from retromae_ds.finetuning import handoff
 
     negatives = run / "negatives"
     manifests = {
