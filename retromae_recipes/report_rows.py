@@ -15,9 +15,9 @@ from typing import Any
 
 from retromae_ds.hf.pooling import DEFAULT_POOLING, registered
 
-ARMS = ("none", "mlm", "retromae", "dupmae", "seed", "seed_strong")
+ARMS = ("none", "mlm", "retromae", "dupmae", "bowdpr", "seed", "seed_strong")
 """A study's arms: ``none`` (the starting encoder itself) and the continuations, among them
-``dupmae`` (RetroMAE v2, docs/dupmae.md) and ``seed_strong`` (SEED-Encoder with a strong
+``dupmae`` (RetroMAE v2, docs/dupmae.md), ``bowdpr`` (docs/bowdpr.md) and ``seed_strong`` (SEED-Encoder with a strong
 decoder); the pre-training objectives proper are
 ``retromae_ds.modeling.objectives.OBJECTIVES``."""
 POOLING_ORDER = tuple(p.name for p in registered())

@@ -285,8 +285,8 @@ def bert_config(out: str, data: str = "", **overrides: Any) -> StudyConfig:
         starts=["bert"],
         objectives=list(DEFAULT_OBJECTIVES),
         stages=["zero_shot", "bm25"],
-        # dupmae when asked for (--objectives ... dupmae, issue 44); seed_strong never
-        finetune_objectives={"bert": ["none", "mlm", "retromae", "dupmae", "seed"]},
+        # dupmae and bowdpr when asked for (--objectives ... dupmae bowdpr); seed_strong never
+        finetune_objectives={"bert": ["none", "mlm", "retromae", "dupmae", "bowdpr", "seed"]},
         seeds=[0, 1, 2],
         # scratch: ``--starts scratch --objectives none`` is the random-init reference
         pretrain_steps={"scratch": 2000, "bert": 2000},

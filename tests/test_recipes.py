@@ -409,3 +409,24 @@ def test_the_documented_dupmae_commands_run_the_retromae_rows_protocol(tmp_path,
         changed = {k for k, v in vars(cfg).items() if vars(ref)[k] != v}
         assert changed <= {"objectives", "stages"}, changed
         assert cfg.dupmae_curve and cfg.dupmae_poolings == ["dupmae_bow", "dupmae"]
+
+
+def test_the_bert_protocol_runs_bowdpr_when_asked_for(tmp_path):
+    """``--bert --objectives none bowdpr``: bowdpr continues the MLM base with the budget of
+    every other arm and gets the BM25-negative fine-tune."""
+    from dataclasses import replace
+
+    study = _study("bert", tmp_path)
+    study.cfg = replace(study.cfg, objectives=["none", "bowdpr"])
+    study.cfg.__post_init__()
+    pre = study.pretrain_config("bert", "bowdpr", 1)
+    retro = study.pretrain_config("bert", "retromae", 1)
+    assert pre.model.objective.name == "bowdpr"
+    assert (pre.max_steps, pre.micro_batch_size, pre.optim.lr) == (
+        retro.max_steps,
+        retro.micro_batch_size,
+        retro.optim.lr,
+    )
+    assert study.cfg.finetunes("bert", "bowdpr")
+    ft = study.finetune_config("bert", "bowdpr", 1, "bm25")
+    assert ft.model.init == str(study.cell("bert", "bowdpr", 1) / "encoder")
