@@ -70,36 +70,14 @@ DEFAULT_MAX_LENGTH = 512
 """Tokens per text for a model that records no length of its own."""
 
 
-def retrieve(
-    query_emb_QD: np.ndarray,
-    corpus_emb_ND: np.ndarray,
-    query_ids: Sequence[str],
-    corpus_ids: Sequence[str],
-    k: int,
-    *,
-    metric: Metric = "ip",
-    backend: Backend = "auto",
-    ignore_identical_ids: bool = True,
-    index: IndexSetting | None = None,
-) -> Run:
-    """``{qid: {doc id: score}}``, the top k documents of each query by the index ``index``
-    names (None: exact search on ``backend``; a setting carries its own backend).
+def retrieve(*args: Any, **settings: Any) -> Run:
+    """``{qid: {doc id: score}}``: ``retrieve_counting``'s run alone (the same arguments).
 
     ``ignore_identical_ids`` drops a document whose id equals the query id (BEIR's default,
     for datasets such as ArguAna and Quora where a query is also in the corpus); one extra
     document is retrieved so that k remain.
     """
-    return retrieve_counting(
-        query_emb_QD,
-        corpus_emb_ND,
-        query_ids,
-        corpus_ids,
-        k,
-        metric=metric,
-        backend=backend,
-        ignore_identical_ids=ignore_identical_ids,
-        index=index,
-    )[0]
+    return retrieve_counting(*args, **settings)[0]
 
 
 def retrieve_counting(

@@ -81,6 +81,28 @@ class MaskedLM(Objective):
     poolings = ("cls", "mean")
 
 
+class DecoderObjective(Objective):
+    """MLM + a decoder that reconstructs the input from the sentence embedding: one term,
+    ``decoder_weight`` · its cross-entropy, logged with its accuracy. Subclasses build the
+    decoder and give ``decoder_loss``."""
+
+    decoder_inputs = True
+    metrics = ("decoder_loss", "decoder_accuracy")
+
+    def terms(
+        self, model: PretrainModel, hidden_BLH: torch.Tensor, batch: Batch, packing: Packing | None
+    ) -> Terms:
+        loss, accuracy = self.decoder_loss(model, hidden_BLH, batch, packing)
+        logged = {"decoder_loss": loss.detach(), "decoder_accuracy": accuracy}
+        return [self.config.decoder_weight * loss], logged
+
+    def decoder_loss(
+        self, model: PretrainModel, hidden_BLH: torch.Tensor, batch: Batch, packing: Packing | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross-entropy, detached token accuracy) of the decoder's predictions."""
+        raise NotImplementedError
+
+
 OBJECTIVES: Registry[type[Objective]] = Registry("objective", "retromae_ds.objectives")
 """Objective name -> its class (``modeling/objectives.py`` registers the library's)."""
 

@@ -19,8 +19,7 @@ from retromae_ds.attention import TwoStreamSpec
 from retromae_ds.attention.packing import Packing
 from retromae_ds.modeling.objective import (
     Batch,
-    Objective,
-    Terms,
+    DecoderObjective,
     decoder_compiles,
     decoder_layer,
     predicted,
@@ -28,11 +27,9 @@ from retromae_ds.modeling.objective import (
 from retromae_ds.modeling.positions import position_offset
 
 
-class RetroMAE(Objective):
+class RetroMAE(DecoderObjective):
     """MLM + the two-stream [CLS] decoder (``model.decoder``, one layer)."""
 
-    decoder_inputs = True
-    metrics = ("decoder_loss", "decoder_accuracy")
     poolings = ("cls", "mean")
 
     def build(self, model) -> None:
@@ -41,13 +38,6 @@ class RetroMAE(Objective):
     def compile_parts(self, model, device_type: str) -> list[nn.Module]:
         compiles = decoder_compiles(self.config.attention, device_type, None)
         return [model.decoder] if compiles else []
-
-    def terms(
-        self, model, hidden_BLH: torch.Tensor, batch: Batch, packing: Packing | None
-    ) -> Terms:
-        loss, accuracy = self.decoder_loss(model, hidden_BLH, batch, packing)
-        logged = {"decoder_loss": loss.detach(), "decoder_accuracy": accuracy}
-        return [self.config.decoder_weight * loss], logged
 
     def decoder_loss(
         self, model, hidden_BLH: torch.Tensor, batch: Batch, packing: Packing | None

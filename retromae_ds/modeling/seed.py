@@ -13,16 +13,19 @@ from torch import nn
 
 from retromae_ds.attention import WindowSpec
 from retromae_ds.attention.packing import Packing
-from retromae_ds.modeling.objective import Batch, Objective, Terms, decoder_compiles, decoder_layer
+from retromae_ds.modeling.objective import (
+    Batch,
+    DecoderObjective,
+    decoder_compiles,
+    decoder_layer,
+)
 from retromae_ds.modeling.positions import position_offset
 from retromae_ds.modeling.retromae import reconstruction
 
 
-class SEEDEncoder(Objective):
+class SEEDEncoder(DecoderObjective):
     """MLM + the weak autoregressive decoder (``model.decoder``, a list of layers)."""
 
-    decoder_inputs = True
-    metrics = ("decoder_loss", "decoder_accuracy")
     poolings = ("cls", "mean")
 
     def build(self, model) -> None:
@@ -37,13 +40,6 @@ class SEEDEncoder(Objective):
         spec = WindowSpec(torch.zeros(1), self.window())
         backend = self.config.attention
         return [layer for layer in model.decoder if decoder_compiles(backend, device_type, spec)]
-
-    def terms(
-        self, model, hidden_BLH: torch.Tensor, batch: Batch, packing: Packing | None
-    ) -> Terms:
-        loss, accuracy = self.decoder_loss(model, hidden_BLH, batch, packing)
-        logged = {"decoder_loss": loss.detach(), "decoder_accuracy": accuracy}
-        return [self.config.decoder_weight * loss], logged
 
     def decoder_loss(
         self, model, hidden_BLH: torch.Tensor, batch: Batch, packing: Packing | None
