@@ -126,3 +126,17 @@ def test_docs_index_names_every_page():
     listed = {target.partition("#")[0] for _, target in relative_links(DOCS / "index.md")}
     pages = {page.name for page in DOCS.glob("*.md")} - {"index.md"}
     assert not pages - listed, f"docs/index.md: pages not listed: {sorted(pages - listed)}"
+
+
+def test_every_test_the_guarantees_name_exists():
+    """Each ``test_file.py::test_name`` (or ``::test_name`` after one) in docs/guarantees.md
+    names a test function that exists: a promise never points at a renamed or deleted test."""
+    missing = []
+    for line in (DOCS / "guarantees.md").read_text(encoding="utf-8").splitlines():
+        last = None
+        for m in re.finditer(r"`(?:tests/)?(test_\w+\.py)?::(test_\w+)", line):
+            last = m.group(1) or last
+            path = REPO / "tests" / str(last)
+            if last is None or f"def {m.group(2)}(" not in path.read_text(encoding="utf-8"):
+                missing.append(f"{last}::{m.group(2)}")
+    assert not missing, missing
