@@ -137,3 +137,35 @@ def test_zero3_is_refused_with_a_clear_error(tmp_path, task):
     )  # fmt: skip
     assert result.returncode == 2
     assert "eval.beir needs ZeRO stage <= 2" in result.stderr
+
+
+def test_keep_best_keeps_the_best_evaluated_checkpoint_beside_the_newest(tmp_path, task):
+    """``--checkpoint.keep_best``: with one checkpoint kept, the run also keeps the one saved
+    at the evaluation step with the highest first measure (ties to the newer); its record
+    holds that value, which is what the metrics log says. Without it only the newest stays."""
+    from retromae_ds.components.checkpoint import (
+        best_checkpoint,
+        complete_checkpoints,
+        read_marker,
+    )
+
+    shards, beir = task
+    common = ["--max_steps", "8", "--log_every", "1", "--checkpoint.every_steps", "2",
+              "--checkpoint.keep_last", "1", "--optim.lr", "3e-3",
+              "--eval.beir", str(beir), "--eval.every", "2", "--eval.max_queries", "10",
+              "--eval.max_docs", "60", "--eval.max_length", "64"]  # fmt: skip
+    kept, plain = tmp_path / "kept", tmp_path / "plain"
+    pretrain(kept, shards, *common, "--checkpoint.keep_best", "true")
+    pretrain(plain, shards, *common)
+    key = f"eval/{beir.name}/cls/ndcg@10"
+    scores = {r["step"]: r[key] for r in eval_rows(kept) if r["step"] > 0}
+    assert sorted(scores) == [2, 4, 6, 8]
+    best_step = max(sorted(scores), key=lambda s: (scores[s], s))
+    assert best_step < 8  # at lr 3e-3 the score falls: the protection is what keeps it
+    root = kept / "checkpoints"
+    names = {p.name for p in complete_checkpoints(root)}
+    assert names == {"step_00000008", f"step_{best_step:08d}"}
+    best = best_checkpoint(root)
+    assert best is not None and best.name == f"step_{best_step:08d}"
+    assert read_marker(best)["eval"] == {key: scores[best_step]}
+    assert {p.name for p in complete_checkpoints(plain / "checkpoints")} == {"step_00000008"}

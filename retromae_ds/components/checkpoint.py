@@ -59,6 +59,11 @@ class CheckpointConfig:
     """Save every N optimizer steps (0: only at the end)."""
     keep_last: int = 3
     """Complete checkpoints to keep (0: all)."""
+    keep_best: bool = False
+    """Also keep the checkpoint with the best evaluation during training (the first of
+    ``eval.measures`` at the first pooling, higher is better, ties to the newer), among the
+    checkpoints saved at an evaluation step; its record's ``eval`` holds the value and
+    ``best_checkpoint`` finds it."""
     resume: str = "auto"
     """``auto``: the run's newest checkpoint that verifies (newer, corrupt ones are set aside
     as ``step_N.corrupt``), or step 0 when it has none; a run whose checkpoints all fail is
@@ -489,7 +494,9 @@ def read_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- publishing
-def publish(staging: Path, final: Path, marker: dict[str, Any], keep_last: int) -> None:
+def publish(
+    staging: Path, final: Path, marker: dict[str, Any], keep_last: int, keep_best: bool = False
+) -> None:
     """Rank 0, after all ranks wrote ``staging``: write the completion record (with every
     file's size and sha256), rename into place, prune old ones. A folder already at ``final``
     (the same step saved again after resuming from an older checkpoint, or one left without
@@ -505,20 +512,38 @@ def publish(staging: Path, final: Path, marker: dict[str, Any], keep_last: int) 
     else:
         os.replace(staging, final)
     fsync_dir(final.parent)
-    prune(final.parent, keep_last)
+    prune(final.parent, keep_last, keep_best)
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Delete complete checkpoints beyond the newest ``keep_last`` and stale partial ones."""
+def prune(root: Path, keep_last: int, keep_best: bool = False) -> None:
+    """Delete complete checkpoints beyond the newest ``keep_last`` (but the best one with
+    ``keep_best``) and stale partial ones."""
     done = complete_checkpoints(root)
+    best = best_checkpoint(root) if keep_best else None
     if keep_last > 0:
         for old in done[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != best:
+                shutil.rmtree(old, ignore_errors=True)
     newest = int(STEP_DIR.match(done[-1].name).group(1)) if done else -1
     for path in root.glob("step_*.partial"):
         m = PARTIAL_DIR.match(path.name)
         if m and int(m.group(1)) <= newest:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint under ``root`` whose record holds the best evaluation (its
+    ``eval``: ``{measure key: value}``, higher is better, ties to the newer); None when no
+    checkpoint was saved at an evaluation step."""
+    scored = []
+    for path in complete_checkpoints(root):
+        try:
+            value = next(iter(read_marker(path).get("eval", {}).values()), None)
+        except (CheckpointCorrupt, OSError):  # resume sets it aside; it is never the best
+            continue
+        if isinstance(value, int | float):
+            scored.append((float(value), path))
+    return max(scored, key=lambda vp: vp[0])[1] if scored else None
 
 
 # --------------------------------------------------------------------------- the manager
@@ -541,9 +566,18 @@ class CheckpointManager:
     RNG (building a model draws random weights: saving must not move the training streams).
     """
 
-    def __init__(self, layout: RunLayout, *, rank: int, world_size: int, keep_last: int) -> None:
+    def __init__(
+        self,
+        layout: RunLayout,
+        *,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_best: bool = False,
+    ) -> None:
         self.layout = layout
         self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
+        self.keep_best = keep_best
         self._newest: int | None = None
 
     def save(
@@ -578,7 +612,7 @@ class CheckpointManager:
         eng.barrier()
         if self.rank == 0:
             record = {"step": step, "world_size": self.world_size, **marker}
-            publish(staging, final, record, self.keep_last)
+            publish(staging, final, record, self.keep_last, self.keep_best)
         eng.barrier()
         self._newest = step
 

@@ -294,9 +294,13 @@ class Trainer:
             rank=dist.rank,
             world_size=dist.world_size,
             keep_last=cfg.checkpoint.keep_last,
+            keep_best=cfg.checkpoint.keep_best,
         )
         self.step = 0
         self.seen: dict[str, float] = {}
+        self._evaluated: tuple[int, dict[str, float]] = (-1, {})
+        """Rank 0: the step of the last evaluation and its lead figure, recorded in the
+        checkpoint of that step (``checkpoint.keep_best``)."""
         """This rank's running totals of the ``counts`` hook (tokens seen), checkpointed."""
         self.logger: MetricsLogger | None = None
         self.hooks: Hooks | None = None
@@ -391,7 +395,7 @@ class Trainer:
                     "max_steps": self.max_steps,
                     **{name: part.state_dict() for name, part in self.state.items()},
                 },
-                marker=hooks.marker(),
+                marker={**hooks.marker(), **self._eval_record(step)},
                 write_models=hooks.write_models,
                 run_config=to_dict(self.cfg),
             )
@@ -602,6 +606,12 @@ class Trainer:
         world = self.dist.world_size
         return {f"{n}_seen": round(m * world) for n, m in zip(names, means, strict=True)}
 
+    def _eval_record(self, step: int) -> dict[str, Any]:
+        """``{"eval": {key: value}}`` when rank 0 evaluated at ``step`` (the first measure at
+        the first pooling: what ``checkpoint.keep_best`` compares), else nothing."""
+        at, lead = self._evaluated
+        return {"eval": lead} if at == step and lead else {}
+
     def _eval_row(self, step: int, hooks: Hooks) -> None:
         """Rank 0 scores the current weights (``hooks.evaluate``) and logs them with the step
         and the tokens seen; the other ranks go on to the next collective and wait there."""
@@ -611,7 +621,9 @@ class Trainer:
         row = {"step": step, **seen, **hooks.evaluate()}
         self.logger.log(row, scope="eval")
         # the first of eval.measures, per pooling (keys: eval/NAME/POOLING/MEASURE)
-        lead = "/" + next((k for k in row if k.startswith("eval/")), "/").rsplit("/", 1)[-1]
+        first = next((k for k in row if k.startswith("eval/")), "/")
+        self._evaluated = (step, {first: row[first]} if first in row else {})
+        lead = "/" + first.rsplit("/", 1)[-1]
         scores = [f"{k.split('/', 2)[-1]} {v:.4f}" for k, v in row.items() if k.endswith(lead)]
         self.note(f"eval at step {step}: {', '.join(scores)}")
 
