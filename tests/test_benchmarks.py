@@ -52,6 +52,7 @@ def test_bench_train_runs_every_objective_with_and_without_deepspeed(tmp_path):
         ("seed", "reference"),
         ("seed", "auto"),
         ("mlm", "-"),
+        ("bowdpr", "-"),
     }
     for r in rows:
         assert "deepspeed_error" not in r, r
