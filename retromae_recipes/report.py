@@ -44,6 +44,8 @@ CLAIMS = (
     ("seed", "mlm", "paper", ()),
     ("seed", "seed_strong", "SEED-Encoder paper: a weak decoder beats a strong one", ()),
     ("retromae", "none", "RetroMAE report: continued pre-training lifts an MLM base", ("bert",)),
+    ("bowdpr", "retromae", "bowdpr paper", ()),
+    ("bowdpr", "mlm", "bowdpr paper", ()),
 )
 """The orderings the verdicts test."""
 

@@ -56,6 +56,14 @@ def test_verdicts_state_agreement_and_disagreement_plainly():
     assert "retromae: ANCE 0.3500 vs BM25 negatives 0.4100: lower" in text
 
 
+def test_verdicts_test_the_bowdpr_papers_orderings():
+    rows = [*ROWS, *[_row("bowdpr", "zero_shot", s, x) for s, x in enumerate([0.25, 0.26, 0.24])]]
+    text = "\n".join(verdicts(aggregate(rows)))
+    assert "zero_shot: bowdpr 0.2500 vs retromae 0.3000 nDCG@10 (0.8×): lower " in text
+    assert "(bowdpr paper: bowdpr > retromae)" in text
+    assert "zero_shot: bowdpr 0.2500 vs mlm 0.1100 nDCG@10 (2.3×): higher" in text
+
+
 def test_report_writes_table_plot_and_json(tmp_path):
     body = report(ROWS, tmp_path, "t", "python scripts/study.py --quick")
     assert "| scratch | retromae | zero_shot | cls | 3 | 0.3000 ± 0.0100" in body
