@@ -105,11 +105,11 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_torch(model, batches, args, M) -> float:
+def time_torch(model, batches, args, M) -> list[float]:
     OptimConfig, build_optimizer = M[6][2], M[6][3]
     opt = build_optimizer(model, OptimConfig())
     autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.dtype == "bf16")
-    best = float("inf")
+    windows = []
     for rep in range(args.repeats + 1):  # the first window warms up (and compiles)
         _sync(args.device)
         t = time.perf_counter()
@@ -121,11 +121,11 @@ def time_torch(model, batches, args, M) -> float:
             opt.zero_grad(set_to_none=True)
         _sync(args.device)
         if rep:
-            best = min(best, time.perf_counter() - t)
-    return best
+            windows.append(time.perf_counter() - t)
+    return windows
 
 
-def time_deepspeed(model, batches, args, M) -> float:
+def time_deepspeed(model, batches, args, M) -> list[float]:
     eng = M[0]
     OptimConfig, build_optimizer = M[6][2], M[6][3]
     opt = build_optimizer(model, OptimConfig())
@@ -138,7 +138,7 @@ def time_deepspeed(model, batches, args, M) -> float:
         cuda=args.device == "cuda",
     )
     engine = eng.initialize(model, opt, None, ds)
-    best = float("inf")
+    windows = []
     for rep in range(args.repeats + 1):
         _sync(args.device)
         t = time.perf_counter()
@@ -148,8 +148,8 @@ def time_deepspeed(model, batches, args, M) -> float:
             engine.step()
         _sync(args.device)
         if rep:
-            best = min(best, time.perf_counter() - t)
-    return best
+            windows.append(time.perf_counter() - t)
+    return windows
 
 
 def main() -> None:
@@ -197,21 +197,25 @@ def main() -> None:
                 attn = "reference" if attention == "-" else attention
                 model = build(size, objective, attn, args.length, args.device, M, args.vocab)
                 flops_tok = encoder_flops_per_token(model, args.length)
-                t_torch = time_torch(model, batches, args, M)
+                windows = time_torch(model, batches, args, M)
+                t_torch = min(windows)
                 row = {
                     "size": size,
                     "objective": objective,
                     "attention": attention,
                     "torch_tokens_per_s": tokens / t_torch,
+                    "torch_windows_tokens_per_s": [tokens / w for w in windows],
                 }
                 if not args.no_deepspeed:
                     model = build(size, objective, attn, args.length, args.device, M, args.vocab)
                     try:
-                        t_ds = time_deepspeed(model, batches, args, M)
+                        ds_windows = time_deepspeed(model, batches, args, M)
+                        t_ds = min(ds_windows)
                     except Exception as e:  # noqa: BLE001 - the row says why, the others still run
                         row["deepspeed_error"] = f"{type(e).__name__}: {e}"[:200]
                     else:
                         row["deepspeed_tokens_per_s"] = tokens / t_ds
+                        row["deepspeed_windows_tokens_per_s"] = [tokens / w for w in ds_windows]
                         row["deepspeed_over_torch"] = t_torch / t_ds
                 best = row.get("deepspeed_tokens_per_s", row["torch_tokens_per_s"])
                 if peak:
@@ -226,10 +230,11 @@ def main() -> None:
         + (f", MFU against {peak:g} TFLOP/s" if peak else "")
     )
     print(
-        "| size | objective | attention | plain torch tok/s | DeepSpeed tok/s | DeepSpeed / torch "
+        "| size | objective | attention | plain torch tok/s | its windows | DeepSpeed tok/s "
+        "| DeepSpeed / torch "
         "| objective / MLM | auto / reference | encoder MFU |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = [x for x in rows if x["size"] == r["size"]]
         mlm = next((x for x in same if x["objective"] == "mlm"), None)
@@ -245,9 +250,10 @@ def main() -> None:
             else ""
         )
         mfu = f"{100 * r['encoder_mfu']:.1f} %" if "encoder_mfu" in r else ""
+        w = r["torch_windows_tokens_per_s"]
         print(
             f"| {r['size']} | {r['objective']} | {r['attention']} | {r['torch_tokens_per_s']:,.0f} "
-            f"| {r.get('deepspeed_tokens_per_s', 0):,.0f} | {r.get('deepspeed_over_torch', 0):.2f} "
+            f"| {min(w):,.0f}–{max(w):,.0f} | {r.get('deepspeed_tokens_per_s', 0):,.0f} | {r.get('deepspeed_over_torch', 0):.2f} "
             f"| {rel} | {vs_ref} | {mfu} |"
             + (f" DeepSpeed failed: {r['deepspeed_error']}" if "deepspeed_error" in r else "")
         )
