@@ -56,9 +56,10 @@ from retromae_ds.components import engine as eng
 from retromae_ds.components.checkpoint import pretraining_evidence, resolve_encoder
 from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
+from retromae_ds.data.pairs import READ_FORMATS
 from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.finetuning import data as ance_data
-from retromae_ds.finetuning import handoff
+from retromae_ds.finetuning import handoff, pairs_data
 from retromae_ds.finetuning.batches import BatchBuilder, batch_stream
 from retromae_ds.finetuning.feed import NegativesConfig, NegativesFeed
 from retromae_ds.finetuning.model import DualEncoder, load_tower, save_encoders
@@ -66,6 +67,7 @@ from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import check_pooling, get_pooling
 from retromae_ds.refresher.bm25 import publish_bm25
 from retromae_ds.refresher.config import RefreshConfig, with_absolute_paths
+from retromae_ds.refresher.given import publish_given
 from retromae_ds.training.config import OptimConfig, RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
 
@@ -76,6 +78,19 @@ class FinetuneDataConfig:
     """BEIR folder (corpus.jsonl, queries.jsonl, qrels/SPLIT.tsv)."""
     split: str = "train"
     """Qrels split to train on."""
+    pairs: str = ""
+    """Instead of ``beir``: training pairs in an anchor's format (FlagEmbedding jsonl, a
+    sentence-transformers table: jsonl, parquet or a datasets folder, Tevatron jsonl, or
+    ``retromae-ds mine``'s file). Staged once as a BEIR folder beside the tokenized data; its
+    negatives are the run's first version (BM25's for a query it gives none)."""
+    pairs_format: str = "auto"
+    """auto, flagembedding, st, tevatron or mined."""
+    corpus: str = ""
+    """With ``pairs``: a BEIR folder (or its corpus.jsonl) whose ids the file's ids name, and
+    whose other passages a refresher mines from."""
+    by_id: bool = False
+    """With ``pairs``: FlagEmbedding's and sentence-transformers' strings are query and
+    passage ids into ``corpus``."""
     q_max_len: int = 64
     """Query tokens including special tokens."""
     p_max_len: int = 256
@@ -160,8 +175,18 @@ class FinetuneConfig(RunConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, warmup_ratio=0.1))
 
     def __post_init__(self) -> None:
-        if not self.data.beir or not self.model.init:
-            raise ValueError("data.beir and model.init are required")
+        if bool(self.data.beir) == bool(self.data.pairs) or not self.model.init:
+            raise ValueError(
+                "give model.init and one of data.beir (a BEIR folder) or data.pairs (a "
+                "training pairs file)"
+            )
+        if self.data.pairs and self.data.split != "train":
+            raise ValueError("data.split is a BEIR folder's: data.pairs trains on its whole file")
+        if self.data.pairs_format not in ("auto", *READ_FORMATS):
+            raise ValueError(
+                f"data.pairs_format must be auto or one of {', '.join(READ_FORMATS)}, "
+                f"not {self.data.pairs_format!r}"
+            )
         super().__post_init__()
         if self.negatives.n_hard < 0:
             raise ValueError("negatives.n_hard must be >= 0")
@@ -315,11 +340,22 @@ def _prepare_data(
     or ``RUN/data``) and publishes the BM25 negatives as v0 when no version exists; every
     rank then loads the training set."""
     prepared = Path(cfg.data.prepared or layout.data)
+    beir = cfg.data.beir
+    if cfg.data.pairs:
+        beir = str(prepared.with_name(prepared.name + "_pairs"))
     if dist.rank == 0:
         layout.root.mkdir(parents=True, exist_ok=True)
         layout.finished.unlink(missing_ok=True)
+        if cfg.data.pairs:
+            pairs_data.stage(
+                cfg.data.pairs,
+                beir,
+                format=cfg.data.pairs_format,
+                corpus=cfg.data.corpus or None,
+                by_id=cfg.data.by_id,
+            )
         ance_data.prepare(
-            cfg.data.beir,
+            beir,
             cfg.data.split,
             init_dir,
             prepared,
@@ -334,8 +370,16 @@ def _prepare_data(
     if dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
         # --progress false silences bm25s's bars too
         bm25_cfg = replace(cfg.refresh, progress=cfg.refresh.progress and cfg.progress)
-        manifest = publish_bm25(bm25_cfg, ts, layout.negatives)
-        print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
+        if cfg.data.pairs:
+            manifest = publish_given(bm25_cfg, ts, layout.negatives)
+            print(
+                f"finetune: {cfg.data.pairs}'s negatives published as v{manifest['version']} "
+                f"(BM25's for {manifest['queries_from_bm25']} queries it gives none)",
+                file=sys.stderr,
+            )
+        else:
+            manifest = publish_bm25(bm25_cfg, ts, layout.negatives)
+            print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
     return ts
 

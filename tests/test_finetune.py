@@ -25,10 +25,13 @@ from helpers_ance import (
 )
 
 
-def finetune(run_dir: Path, *overrides: str, ranks: int = 1, timeout: int = 600):
+def finetune(
+    run_dir: Path, *overrides: str, ranks: int = 1, timeout: int = 600, check: bool = True
+):
     args = ["--run_dir", str(run_dir), "--progress", "false", *overrides]
     cmd = launch_cmd("retromae_ds.finetune", args, ranks)
-    return run_logged(cmd, run_dir.parent / f"{run_dir.name}.log", env=ENV, timeout=timeout)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    return run_logged(cmd, log, env=ENV, timeout=timeout, check=check)
 
 
 def tiny_task(

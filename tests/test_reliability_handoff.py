@@ -188,3 +188,10 @@ def test_refresher_recovers_from_a_corrupted_pointer(bm25_run, tmp_path, tokeniz
     assert (neg.version, neg.step, neg.manifest["source"]) == (1, 5, "model")
     assert neg.manifest["data"] == ts.fingerprint()
     assert handoff.published_versions(root) == [0, 1]
+
+
+def test_a_meta_key_that_would_overwrite_the_manifests_own_is_refused(tmp_path):
+    negatives = [np.array([1, 2], dtype=np.int32)]
+    with pytest.raises(ValueError, match=r"negatives v0: meta may not set file, sha256"):
+        handoff.publish(tmp_path, 0, negatives, step=0, meta={"file": "x", "sha256": "y"})
+    assert not any(tmp_path.iterdir())  # nothing written

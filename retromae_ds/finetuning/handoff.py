@@ -153,6 +153,13 @@ def _write_arrow(path: Path, negatives: list[np.ndarray]) -> None:
         writer.write_batch(batch)
 
 
+RESERVED = frozenset(
+    ("schema_version", "version", "step", "file", "sha256", "bytes", "num_queries",
+     "num_negatives", "created")
+)  # fmt: skip
+"""The manifest keys ``publish`` writes itself; a ``meta`` naming one is refused."""
+
+
 def publish(
     root: Path,
     version: int,
@@ -168,6 +175,9 @@ def publish(
     versions older than the newest ``keep_last`` (never the one being published). Returns the
     pointer written.
     """
+    clash = sorted(set(meta or {}) & RESERVED)
+    if clash:  # a caller's meta would overwrite what readers check
+        raise ValueError(f"negatives v{version}: meta may not set {', '.join(clash)}")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     if manifest_file(root, version).exists():
