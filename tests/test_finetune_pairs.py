@@ -168,3 +168,30 @@ def test_ids_into_a_corpus_keep_the_corpus_ids_and_its_other_passages(tmp_path):
     assert neg == {"query_id": "q1", "negatives": ["d10", "d4"], "negative_scores": [0.7, None]}
     staged_docs, queries = _beir_texts(out)
     assert staged_docs == docs and queries == {"q1": _beir_texts(beir)[1]["q1"]}
+
+
+def test_an_st_table_and_a_tevatron_file_stage_alike(tmp_path):
+    import datasets
+
+    rows = {
+        "anchor": ["what is a cat", "what is a cat", "why rain"],
+        "positive": ["a cat is an animal", "cats purr", "rain falls from clouds"],
+        "negative": ["a dog barks", "a dog barks", "sun shines"],
+    }
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "st"))
+    tev = tmp_path / "tev.jsonl"
+    with open(tev, "w") as f:
+        for q in ("what is a cat", "why rain"):
+            idx = [i for i, a in enumerate(rows["anchor"]) if a == q]
+            f.write(json.dumps({
+                "query_id": "", "query": q,
+                "positive_passages": [{"docid": "", "title": "", "text": rows["positive"][i]} for i in idx],
+                "negative_passages": [{"docid": "", "title": "", "text": rows["negative"][idx[0]]}],
+            }) + "\n")  # fmt: skip
+    staged = [stage(src, tmp_path / f"staged_{src.name}") for src in (tmp_path / "st", tev)]
+    for out in staged:
+        counts = pairs_data.staged_record(out)["counts"]
+        assert counts["queries"] == 2 and counts["passages"] == 5, counts
+    assert [_beir_texts(out) for out in staged][0] == _beir_texts(staged[1])
+    st_qrels, tev_qrels = ((o / "qrels" / "train.tsv").read_text() for o in staged)
+    assert st_qrels == tev_qrels and st_qrels.count("\n") == 4  # header + 3 positives
