@@ -75,17 +75,15 @@ from retromae_ds.refresher import candidate_pool, embed_shards
 from retromae_ds.refresher.config import RefreshConfig
 from retromae_ds.refresher.publish import Ranking, mine_and_publish
 from retromae_ds.refresher.stages import (
-    MAX_ENCODE_ROUNDS,
     RANKING,
     Group,
     Job,
-    encode_stage,
+    encode_verified,
     merge_stage,
     open_work,
     pick_device,
     read_json,
     search_stage,
-    verify_stage,
 )
 
 # --------------------------------------------------------------------------- guards
@@ -233,7 +231,7 @@ def refresh_once(
     ranked = group.broadcast((work / RANKING).is_file() if group.rank == 0 else None)
     shard_report: list[dict[str, Any]] = []
     if not ranked:
-        _encode_verified(job, search)
+        encode_verified(job, search)
         shard_report = group.gather(
             {"counts": job.shard_counts(), "cache": list(job.shard_cache.values())}
         )
@@ -315,25 +313,6 @@ def _mine_and_publish(
         flush=True,
     )
     return manifest
-
-
-def _encode_verified(job: Job, search: Callable[..., None] = search_stage) -> None:
-    """Encode, verify, search (every rank): a shard that fails its checksum when the search
-    stage opens it is deleted and the stages run again, which encode only what is missing;
-    shards that keep failing (a disk that does not keep what is written) stop the refresh.
-    ``search``: ``search_stage``, or a pool version's ``candidate_pool.rescore_stage``."""
-    for _ in range(MAX_ENCODE_ROUNDS):
-        queries, shards = encode_stage(job)
-        bad = verify_stage(job, shards)
-        if not any(job.group.gather(bool(bad))):
-            search(job, queries, shards)
-            return
-        del queries
-    folder = job.work / embed_shards.PASSAGES
-    raise handoff.NegativesWriteError(
-        f"{folder}: embedding shards failed their checksums {MAX_ENCODE_ROUNDS} times in a row "
-        "right after being written: the disk does not keep what is written there"
-    )
 
 
 def _shard_summary(
