@@ -343,3 +343,49 @@ def test_top_picks_the_negatives_of_sentence_transformers(setup, tmp_path):
             same += strict or bool(tie)
         assert same >= 0.99 * len(rows), (same, len(rows), extra)
         assert manifest["removed"]["relative_margin"] > 0 if extra else True
+
+
+# --------------------------------------------------------------------------- the refresher
+@pytest.mark.parametrize("strategy", ["top", "random"])
+def test_mine_gives_the_refreshers_negatives_from_the_same_checkpoint(setup, tmp_path, strategy):
+    """The refresher's version 1 from a checkpoint (``refresh_once``: top-20, n 3,
+    ``max_score_ratio`` 0.99, seed 0 + 1) and ``mine`` on the same encoder with the same
+    options in ST's and FE's names (``range_for_sampling 0-20``, ``relative_margin 0.01``,
+    seed 1), its file read back with ``data.pairs``: the same negatives for every query the
+    refresher did not top up with random passages, and a subset where it did (``mine`` counts
+    those as shortfalls)."""
+    from retromae_ds.data.pairs import read_examples
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning import handoff
+    from retromae_ds.refresher.config import MiningConfig, RefreshConfig
+    from retromae_ds.refresher.process import refresh_once
+    from retromae_ds.refresher.stages import Group
+
+    from helpers_ance import fake_checkpoint
+
+    beir, model = setup
+    run = tmp_path / "run"
+    prepared = ance_data.prepare(
+        beir, "train", model, run / "data", q_max_len=64, p_max_len=64, progress=False
+    )
+    ts = ance_data.load(prepared)
+    mining = MiningConfig(top_k=20, num_negatives=3, strategy=strategy, max_score_ratio=0.99)
+    cfg = RefreshConfig(run_dir=str(run), mining=mining, device="cpu", progress=False)
+    refresh_once(cfg, ts, fake_checkpoint(run, 0, model), 1, Group(60))
+    theirs = handoff.load_version(run / "negatives", 1)
+    ids = ts.passage_ids.to_pylist()
+    manifest, _ = _mine(
+        tmp_path, model, "--beir", str(beir), "--sampling_strategy", strategy,
+        "--range_for_sampling", "0-20", "--relative_margin", "0.01", "--seed", "1",
+    )  # fmt: skip
+    mined = list(read_examples(tmp_path / "negatives.jsonl", "mined"))
+    assert [ex.query_id for ex in mined] == ts.query_ids
+    equal = 0
+    for q, ex in enumerate(mined):
+        ours = [p.id for p in ex.negatives]
+        refresher = [ids[int(i)] for i in theirs.of(q)]
+        if len(ours) == 3:
+            equal += sorted(ours) == sorted(refresher)
+        else:
+            assert set(ours) < set(refresher)
+    assert equal == len(mined) - manifest["shortfall"]["queries"] > 0
