@@ -293,6 +293,19 @@ def test_random_sampling_draws_from_what_the_filters_leave():
     assert any(draws[0].negatives[q].tolist() != draws[2].negatives[q].tolist() for q in range(20))
 
 
+def test_include_positives_keeps_their_slots_but_never_writes_them():
+    """``include_positives``: a positive keeps its rank and takes a slot among the n (as in
+    ST), is counted, and is never written as a negative."""
+    ids = np.asarray([[7, 3, 9, 4, 5, 6]])
+    scores = np.asarray([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4]], dtype=np.float32)
+    positives = [np.asarray([3])]
+    plain = select(ids, scores, positives, FilterSettings(num_negatives=3))
+    kept = select(ids, scores, positives, FilterSettings(num_negatives=3, include_positives=True))
+    assert plain.negatives[0].tolist() == [7, 9, 4] and plain.ranks[0].tolist() == [1, 3, 4]
+    assert kept.negatives[0].tolist() == [7, 9] and kept.positives_selected == 1
+    assert kept.shortfall == 1 and plain.shortfall == 0
+
+
 def test_bad_filter_settings_name_the_option():
     for kwargs, says in [
         ({"range_min": 5, "range_max": 5}, "--range_max 5 must be above --range_min 5"),
