@@ -359,11 +359,28 @@ def test_top_picks_the_negatives_of_sentence_transformers(setup, tmp_path):
 
 
 # --------------------------------------------------------------------------- the refresher
-@pytest.mark.parametrize("strategy", ["top", "random"])
-def test_mine_gives_the_refreshers_negatives_from_the_same_checkpoint(setup, tmp_path, strategy):
-    """The refresher's version 1 from a checkpoint (``refresh_once``: top-20, n 3,
-    ``max_score_ratio`` 0.99, seed 0 + 1) and ``mine`` on the same encoder with the same
-    options in ST's and FE's names (``range_for_sampling 0-20``, ``relative_margin 0.01``,
+FILTERED = [
+    ("top", {"max_score_ratio": 0.99}, ["--relative_margin", "0.01"]),
+    ("random", {"max_score_ratio": 0.99}, ["--relative_margin", "0.01"]),
+    (
+        "top",
+        {"absolute_margin": 0.0, "min_score": 0.5},
+        ["--absolute_margin", "0", "--min_score", "0.5"],
+    ),
+    ("random", {"max_score": 0.95}, ["--max_score", "0.95"]),
+]
+
+
+@pytest.mark.parametrize(
+    "strategy, filters, options", FILTERED, ids=[f"{s}-{'-'.join(f)}" for s, f, _ in FILTERED]
+)
+def test_mine_gives_the_refreshers_negatives_from_the_same_checkpoint(
+    setup, tmp_path, strategy, filters, options
+):
+    """The refresher's version 1 from a checkpoint (``refresh_once``: top-120, n 3, seed
+    0 + 1, its false-negative filter ``max_score_ratio`` or the score filters it shares with
+    ``mine``) and ``mine`` on the same encoder with the same options in ST's and FE's names
+    (``range_for_sampling 0-120``, ``relative_margin`` 1 - ratio, the same score filters,
     seed 1), its file read back with ``data.pairs``: the same negatives for every query the
     refresher did not top up with random passages, and a subset where it did (``mine`` counts
     those as shortfalls)."""
@@ -382,15 +399,18 @@ def test_mine_gives_the_refreshers_negatives_from_the_same_checkpoint(setup, tmp
         beir, "train", model, run / "data", q_max_len=64, p_max_len=64, progress=False
     )
     ts = ance_data.load(prepared)
-    mining = MiningConfig(top_k=20, num_negatives=3, strategy=strategy, max_score_ratio=0.99)
+    mining = MiningConfig(top_k=120, num_negatives=3, strategy=strategy, **filters)
     cfg = RefreshConfig(run_dir=str(run), mining=mining, device="cpu", progress=False)
-    refresh_once(cfg, ts, fake_checkpoint(run, 0, model), 1, Group(60))
+    published = refresh_once(cfg, ts, fake_checkpoint(run, 0, model), 1, Group(60))
     theirs = handoff.load_version(run / "negatives", 1)
     ids = ts.passage_ids.to_pylist()
     manifest, _ = _mine(
         tmp_path, model, "--beir", str(beir), "--sampling_strategy", strategy,
-        "--range_for_sampling", "0-20", "--relative_margin", "0.01", "--seed", "1",
+        "--range_for_sampling", "0-120", "--seed", "1", *options,
     )  # fmt: skip
+    if "max_score_ratio" not in filters:  # the refresher's manifest counts what they dropped
+        score_filters = published["false_negative_filter"]["score_filters"]
+        assert set(score_filters) == set(filters) and sum(score_filters.values()) > 0
     mined = list(read_examples(tmp_path / "negatives.jsonl", "mined"))
     assert [ex.query_id for ex in mined] == ts.query_ids
     equal = 0
@@ -401,4 +421,4 @@ def test_mine_gives_the_refreshers_negatives_from_the_same_checkpoint(setup, tmp
             equal += sorted(ours) == sorted(refresher)
         else:
             assert set(ours) < set(refresher)
-    assert equal == len(mined) - manifest["shortfall"]["queries"] > 0
+    assert equal == len(mined) - manifest["shortfall"]["queries"] >= 20

@@ -60,6 +60,37 @@ def min_score_drop(scores_QK: np.ndarray, bound: float) -> np.ndarray:
     return scores_QK < bound
 
 
+def drop_by_scores(
+    ranked_QK: np.ndarray,
+    scores_QK: np.ndarray,
+    positive_Q: np.ndarray,
+    *,
+    absolute_margin: float | None = None,
+    max_score: float | None = None,
+    min_score: float | None = None,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """``(ranked with -1 in place of every candidate a filter drops, candidates each
+    dropped)``: the refresher's use of ``absolute_margin_drop``, ``max_score_drop`` and
+    ``min_score_drop``, in ``select``'s order, each on what the previous ones left."""
+    alive = ranked_QK >= 0
+    counts = {}
+    with np.errstate(invalid="ignore"):
+        for name, value, mask in (
+            (
+                "absolute_margin",
+                absolute_margin,
+                lambda v: absolute_margin_drop(scores_QK, positive_Q, v),
+            ),
+            ("max_score", max_score, lambda v: max_score_drop(scores_QK, v)),
+            ("min_score", min_score, lambda v: min_score_drop(scores_QK, v)),
+        ):
+            if value is not None:
+                drop = alive & mask(value)
+                counts[name] = int(drop.sum())
+                alive &= ~drop
+    return np.where(alive, ranked_QK, -1), counts
+
+
 # --------------------------------------------------------------------------- settings
 @dataclass(frozen=True)
 class FilterSettings:

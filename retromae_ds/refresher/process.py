@@ -334,7 +334,11 @@ def _shard_summary(
 
 def _record(layout: RunLayout, manifest: dict[str, Any], filtered: dict[str, Any] | None) -> None:
     """One line of ``RUN/refresh_metrics.jsonl`` for a published version."""
-    dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
+    dropped = (
+        {"false_negatives_dropped": filtered["dropped"]}
+        if filtered and "dropped" in filtered
+        else {}
+    )
     row = {"version": manifest["version"], "step": manifest["step"], **manifest["timings"]}
     try:
         with open(layout.refresh_metrics, "a", encoding="utf-8") as f:
