@@ -209,9 +209,11 @@ def run_mine(cfg: MineConfig) -> dict[str, Any]:
         positive_min_Q=_lowest(pair_scores, ts.positives, positives), excluded_Q=excluded,
         watch_Q=watch,
     )  # fmt: skip
-    dropped = [0]
+    counts = {"dropped": 0, "negatives": 0, "short": 0, "missing": 0}
     written = write_examples(
-        _examples(ts, positives, pair_scores, selection, dropped), out, "mined"
+        _examples(ts, positives, pair_scores, selection, counts, settings.num_negatives),
+        out,
+        "mined",
     )
     exports = _exports(cfg, out, beir)
     manifest = {
@@ -226,12 +228,12 @@ def run_mine(cfg: MineConfig) -> dict[str, Any]:
         "depth": depth,
         "range_max": settings.resolved_range_max(max(len(p) for p in positives)),
         "queries": written["examples"],
-        "negatives": int(sum(len(n) for n in selection.negatives)),
+        "negatives": counts["negatives"],
         "removed": selection.removed,
-        "shortfall": _shortfall(selection, settings.num_negatives),
+        "shortfall": {"queries": counts["short"], "negatives_missing": counts["missing"]},
         "positives_selected": selection.positives_selected,
         "scores": _score_stats(pair_scores, ts.positives, positives, selection),
-        "holdout": _holdout_record(selection, dropped[0]) if watch is not None else None,
+        "holdout": _holdout_record(selection, counts["dropped"]) if watch is not None else None,
         "exports": exports,
         "timings": {**{k: round(v, 3) for k, v in job.timings.items()}},
     }
@@ -306,9 +308,12 @@ def _lowest(pair_scores: np.ndarray, all_pos: list[np.ndarray], visible) -> np.n
     )
 
 
-def _examples(ts, positives, pair_scores, sel: Selection, dropped: list[int]) -> Iterator[Example]:
+def _examples(
+    ts, positives, pair_scores, sel: Selection, counts: dict[str, int], n: int
+) -> Iterator[Example]:
     """One ``mined`` example per query; a labelled positive is never written as a negative
-    (a held-out one that came back is counted in ``dropped``)."""
+    (a held-out one that came back is counted in ``dropped``); ``counts`` also sums what is
+    written: negatives, queries short of ``n`` and the negatives they miss."""
     import pyarrow as pa
 
     ids = (
@@ -320,7 +325,10 @@ def _examples(ts, positives, pair_scores, sel: Selection, dropped: list[int]) ->
     for q, score_of in enumerate(lookup):
         labelled = set(ts.positives[q].tolist())
         keep = [i for i, p in enumerate(sel.negatives[q].tolist()) if p not in labelled]
-        dropped[0] += len(sel.negatives[q]) - len(keep)
+        counts["dropped"] += len(sel.negatives[q]) - len(keep)
+        counts["negatives"] += len(keep)
+        counts["short"] += len(keep) < n
+        counts["missing"] += max(0, n - len(keep))
         neg_ids = ids.take(pa.array(sel.negatives[q][keep], pa.int64())).to_pylist()
         pos = positives[q]
         pos_ids = ids.take(pa.array(pos, pa.int64())).to_pylist()
@@ -363,11 +371,6 @@ def _corpus_record(cfg, beir: Path, split: str, data_dir: Path, ts) -> dict[str,
         "passages": ts.num_passages,
         "tokens_sha256": hashlib.sha256(shards.encode()).hexdigest(),
     }
-
-
-def _shortfall(sel: Selection, n: int) -> dict[str, int]:
-    missing = sum(max(0, n - len(neg)) for neg in sel.negatives)
-    return {"queries": sel.shortfall, "negatives_missing": int(missing)}
 
 
 def _stats(values: np.ndarray) -> dict[str, float] | None:

@@ -143,6 +143,9 @@ def test_holdout_positive_counts_how_often_it_comes_back(setup, tmp_path):
     assert h["queries"] == 80 and h["retrieved"] >= h["mined"] > 0
     assert h["removed_by_positive"] == 0  # hidden: no longer removed as a positive
     assert h["kept_out_of_the_file"] == h["mined"]
+    # the manifest's shortfall and count are the file's, the held-out ones kept out included
+    assert manifest["shortfall"]["queries"] == sum(len(r["negatives"]) < 20 for r in rows) > 0
+    assert manifest["negatives"] == sum(len(r["negatives"]) for r in rows)
     qrels = _qrels(beir)
     assert all(len(r["positives"]) == 1 for r in rows)
     assert all(not {n["id"] for n in r["negatives"]} & qrels[r["query_id"]] for r in rows)
