@@ -11,6 +11,7 @@ retromae-ds inspect DIR        summary of a shards folder
 retromae-ds pretrain ...       RetroMAE / DupMAE / SEED-Encoder / bowdpr / MLM pre-training
 retromae-ds finetune ...       ANCE dense-retrieval fine-tuning
 retromae-ds refresh ...        the asynchronous hard-negative refresher of a fine-tuning run
+retromae-ds mine ...           offline hard negatives as a file (ST / FE / Tevatron exports)
 retromae-ds eval ...           retrieval metrics of an encoder on a BEIR folder
 retromae-ds export CKPT OUT    an encoder as a Hugging Face (sentence-transformers) folder
 retromae-ds long-task ...      the long-document retrieval task from raw articles
@@ -91,6 +92,12 @@ ENTRIES = {
             "retromae_ds.refresher.config:RefresherConfig",
             "retromae_ds.refresh:refresh_command",
             errors=USER_ERRORS,
+        ),
+        Entry(
+            "mine",
+            DESCRIPTIONS["mine"],
+            "retromae_ds.mine:MineConfig",
+            "retromae_ds.mine:mine_command",
         ),
         Entry(
             "preprocess",

@@ -16,6 +16,7 @@ COMMANDS = (
     "pretrain",
     "finetune",
     "refresh",
+    "mine",
     "preprocess",
     "train-tokenizer",
     "make-tokenizer",

@@ -7,6 +7,7 @@ DESCRIPTIONS = {
     "pretrain": "RetroMAE / DupMAE / SEED-Encoder / bowdpr / MLM pre-training on DeepSpeed",
     "finetune": "dense-retrieval fine-tuning with ANCE hard negatives on DeepSpeed",
     "refresh": "the asynchronous hard-negative refresher of a fine-tuning run",
+    "mine": "offline hard negatives of a BEIR split or a pairs file, as a file every tool reads",
     "preprocess": "raw text -> memory-mapped Arrow shards",
     "make-tokenizer": "a BERT fast-tokenizer folder from a WordPiece vocab.txt",
     "train-tokenizer": "train a WordPiece tokenizer on inputs",

@@ -42,6 +42,16 @@ class MiningConfig:
     """Drop candidates scoring above this fraction of the query's (lowest) positive score as
     likely unlabelled positives, e.g. 0.95 (0: off; model-mined versions only, BM25's v0 uses
     skip_top alone)."""
+    absolute_margin: float | None = None
+    """Drop candidates whose score plus this exceeds the query's lowest positive score
+    (sentence-transformers' ``absolute_margin``; 0: a negative never scores above a
+    positive; model-mined versions only; none: off)."""
+    max_score: float | None = None
+    """Drop candidates scoring above this (sentence-transformers' ``max_score``; model-mined
+    versions only; none: off)."""
+    min_score: float | None = None
+    """Drop candidates scoring below this (sentence-transformers' ``min_score``; model-mined
+    versions only; none: off)."""
     seed: int = 0
     """Seeds the sampling of negatives (BM25's version uses seed, version N of a model
     seed + N)."""
@@ -303,8 +313,9 @@ def with_absolute_paths(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def mining_settings(cfg: MiningConfig) -> dict[str, Any]:
-    """The settings that decide which negatives a version holds (recorded in its manifest)."""
-    return {
+    """The settings that decide which negatives a version holds (recorded in its manifest;
+    the score filters only when set, so a manifest without them reads as before)."""
+    settings = {
         "top_k": cfg.top_k,
         "num_negatives": cfg.num_negatives,
         "strategy": cfg.strategy,
@@ -312,3 +323,11 @@ def mining_settings(cfg: MiningConfig) -> dict[str, Any]:
         "max_score_ratio": cfg.max_score_ratio,
         "ignore_identical_ids": cfg.ignore_identical_ids,
     }
+    for name in SCORE_FILTERS:
+        if getattr(cfg, name) is not None:
+            settings[name] = getattr(cfg, name)
+    return settings
+
+
+SCORE_FILTERS = ("absolute_margin", "max_score", "min_score")
+"""``MiningConfig``'s sentence-transformers filters (``refresher.filters``), off by default."""

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from retromae_ds.refresher.filters import relative_margin_drop
+
 STRATEGIES = ("random", "top")
 
 
@@ -136,9 +138,8 @@ def drop_likely_positives(
             f"shapes differ: ranked {ranked_QK.shape}, scores {scores_QK.shape}, "
             f"positive scores {np.shape(positive_score_Q)}"
         )
-    pos = np.asarray(positive_score_Q, dtype=np.float64)[:, None]
-    threshold = pos - (1.0 - ratio) * np.abs(pos)
-    drop = (ranked_QK >= 0) & (scores_QK > threshold)  # NaN threshold: never true
+    # ST's relative margin 1 - ratio, the same function ``retromae-ds mine`` filters with
+    drop = (ranked_QK >= 0) & relative_margin_drop(scores_QK, positive_score_Q, 1.0 - ratio)
     return np.where(drop, -1, ranked_QK), drop.sum(1)
 
 

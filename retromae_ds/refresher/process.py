@@ -75,17 +75,15 @@ from retromae_ds.refresher import candidate_pool, embed_shards
 from retromae_ds.refresher.config import RefreshConfig
 from retromae_ds.refresher.publish import Ranking, mine_and_publish
 from retromae_ds.refresher.stages import (
-    MAX_ENCODE_ROUNDS,
     RANKING,
     Group,
     Job,
-    encode_stage,
+    encode_verified,
     merge_stage,
     open_work,
     pick_device,
     read_json,
     search_stage,
-    verify_stage,
 )
 
 # --------------------------------------------------------------------------- guards
@@ -233,7 +231,7 @@ def refresh_once(
     ranked = group.broadcast((work / RANKING).is_file() if group.rank == 0 else None)
     shard_report: list[dict[str, Any]] = []
     if not ranked:
-        _encode_verified(job, search)
+        encode_verified(job, search)
         shard_report = group.gather(
             {"counts": job.shard_counts(), "cache": list(job.shard_cache.values())}
         )
@@ -317,25 +315,6 @@ def _mine_and_publish(
     return manifest
 
 
-def _encode_verified(job: Job, search: Callable[..., None] = search_stage) -> None:
-    """Encode, verify, search (every rank): a shard that fails its checksum when the search
-    stage opens it is deleted and the stages run again, which encode only what is missing;
-    shards that keep failing (a disk that does not keep what is written) stop the refresh.
-    ``search``: ``search_stage``, or a pool version's ``candidate_pool.rescore_stage``."""
-    for _ in range(MAX_ENCODE_ROUNDS):
-        queries, shards = encode_stage(job)
-        bad = verify_stage(job, shards)
-        if not any(job.group.gather(bool(bad))):
-            search(job, queries, shards)
-            return
-        del queries
-    folder = job.work / embed_shards.PASSAGES
-    raise handoff.NegativesWriteError(
-        f"{folder}: embedding shards failed their checksums {MAX_ENCODE_ROUNDS} times in a row "
-        "right after being written: the disk does not keep what is written there"
-    )
-
-
 def _shard_summary(
     cfg: RefreshConfig, job: Job, report: list[dict[str, Any]]
 ) -> dict[str, Any] | None:
@@ -355,7 +334,11 @@ def _shard_summary(
 
 def _record(layout: RunLayout, manifest: dict[str, Any], filtered: dict[str, Any] | None) -> None:
     """One line of ``RUN/refresh_metrics.jsonl`` for a published version."""
-    dropped = {"false_negatives_dropped": filtered["dropped"]} if filtered else {}
+    dropped = (
+        {"false_negatives_dropped": filtered["dropped"]}
+        if filtered and "dropped" in filtered
+        else {}
+    )
     row = {"version": manifest["version"], "step": manifest["step"], **manifest["timings"]}
     try:
         with open(layout.refresh_metrics, "a", encoding="utf-8") as f:

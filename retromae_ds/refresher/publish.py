@@ -24,7 +24,8 @@ import numpy as np
 
 from retromae_ds.finetuning import handoff
 from retromae_ds.finetuning.data import TrainingSet
-from retromae_ds.refresher.config import MiningConfig, mining_settings
+from retromae_ds.refresher.config import SCORE_FILTERS, MiningConfig, mining_settings
+from retromae_ds.refresher.filters import drop_by_scores
 from retromae_ds.refresher.mining import (
     drop_identical,
     drop_likely_positives,
@@ -114,6 +115,12 @@ def mine_and_publish(
             "queries_with_drops": int((dropped > 0).sum()),
             "mean_per_query": round(float(dropped.mean()), 3),
         }
+    score_filters = _score_filters(cfg)
+    if score_filters and ranking.scores is not None and ranking.positives is not None:
+        ids, filtered_by = drop_by_scores(
+            ids, ranking.scores, min_per_query(ranking.positives, ts.positives), **score_filters
+        )
+        filtered = {**(filtered or {}), "score_filters": filtered_by}
     negatives = mine(
         ids,
         ts.positives,
@@ -134,3 +141,9 @@ def mine_and_publish(
     handoff.publish(root, version, negatives, step=step, meta=meta, keep_last=keep_last)
     manifest = json.loads(handoff.manifest_file(Path(root), version).read_text())
     return manifest, filtered
+
+
+def _score_filters(cfg: MiningConfig) -> dict[str, float]:
+    """The sentence-transformers filters ``cfg`` sets (``absolute_margin``, ``max_score``,
+    ``min_score``; none by default)."""
+    return {n: getattr(cfg, n) for n in SCORE_FILTERS if getattr(cfg, n) is not None}

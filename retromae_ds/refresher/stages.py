@@ -27,7 +27,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -250,6 +250,17 @@ class Job:
     search_k: int = 0
     """Candidates kept per query by the search and the merge (a full refresh that writes a
     candidate pool keeps K'); 0: ``mining.top_k``."""
+    encoder_dir: Path | None = None
+    """The one tower's folder when it is not a checkpoint's ``encoder/`` (``retromae-ds
+    mine`` on a Hugging Face folder: no separate query tower); None: the checkpoint's."""
+    spec_override: sbert.EmbeddingSpec | None = None
+    """The pooling and normalisation to encode with (``mine --pooling``); None: the tower's
+    own sentence-transformers files."""
+
+    @property
+    def tower_dir(self) -> Path:
+        """The passage tower's folder."""
+        return self.encoder_dir or self.checkpoint / ENCODER
 
     def top_k(self) -> int:
         return self.search_k or self.cfg.mining.top_k
@@ -270,12 +281,12 @@ class Job:
     @functools.cached_property
     def spec(self) -> sbert.EmbeddingSpec:
         """How the checkpoint's passage encoder pools (its sentence-transformers files)."""
-        return sbert.read_spec(self.checkpoint / ENCODER)
+        return self.spec_override or sbert.read_spec(self.tower_dir)
 
     @functools.cached_property
     def dim(self) -> int:
         """Entries of one embedding: the hidden size, or DupMAE's vocabulary-sized vectors."""
-        config = read_json(self.checkpoint / ENCODER / "config.json")
+        config = read_json(self.tower_dir / "config.json")
         return get_pooling(self.spec.pooling).dim(config["hidden_size"], config["vocab_size"])
 
     def shard_rows(self) -> int:
@@ -338,9 +349,9 @@ class Towers:
         cfg, spec = job.cfg, job.spec
         device = pick_device(cfg, job.group.local_rank)
         head = get_pooling(spec.pooling).needs_head  # DupMAE: the MLM head pools
-        passages = load_tower(job.checkpoint / ENCODER, head=head).to(device)
+        passages = load_tower(job.tower_dir, head=head).to(device)
         query_dir = job.checkpoint / QUERY_ENCODER
-        shared = not query_dir.is_dir()
+        shared = job.encoder_dir is not None or not query_dir.is_dir()
         queries = passages if shared else load_tower(query_dir, head=head).to(device)
         amp = torch.bfloat16 if cfg.bf16 and (device.type == "cuda" or cfg.bf16_cpu) else None
         settings = {
@@ -415,7 +426,7 @@ def encode_stage(job: Job) -> tuple[np.ndarray, list[Shard]]:
     if shards and job.passages is None:  # bad settings: before encoding
         job.index = rank_index(job, shards)
     t0 = time.perf_counter()
-    passage_digest = folder_digest(job.checkpoint / ENCODER)
+    passage_digest = folder_digest(job.tower_dir)
     timings["encoder_digest_s"] = time.perf_counter() - t0
     encoder = CachedEncoder(job, towers)
     t0 = time.perf_counter()
@@ -582,6 +593,25 @@ def search_stage(job: Job, queries: np.ndarray, shards: list[Shard]) -> None:
     with writing(topk, "the search results", topk.with_name(f".{topk.name}")):
         Ranking(ids=ids, scores=scores, positives=pos_scores).save(topk)
     timings["search_s"] = time.perf_counter() - t0
+
+
+def encode_verified(job: Job, search: Callable[..., None] = search_stage) -> None:
+    """Encode, verify, search (every rank): a shard that fails its checksum when the search
+    stage opens it is deleted and the stages run again, which encode only what is missing;
+    shards that keep failing (a disk that does not keep what is written) stop the refresh.
+    ``search``: ``search_stage``, or a pool version's ``candidate_pool.rescore_stage``."""
+    for _ in range(MAX_ENCODE_ROUNDS):
+        queries, shards = encode_stage(job)
+        bad = verify_stage(job, shards)
+        if not any(job.group.gather(bool(bad))):
+            search(job, queries, shards)
+            return
+        del queries
+    folder = job.work / embed_shards.PASSAGES
+    raise handoff.NegativesWriteError(
+        f"{folder}: embedding shards failed their checksums {MAX_ENCODE_ROUNDS} times in a row "
+        "right after being written: the disk does not keep what is written there"
+    )
 
 
 def merge_stage(job: Job) -> Ranking:
