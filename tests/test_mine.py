@@ -425,3 +425,34 @@ def test_mine_gives_the_refreshers_negatives_from_the_same_checkpoint(
         else:
             assert set(ours) < set(refresher)
     assert equal == len(mined) - manifest["shortfall"]["queries"] >= 20
+
+
+@pytest.mark.slow
+def test_finetune_from_the_mined_file_trains_on_its_negatives_as_v0(setup, tmp_path):
+    """mine, then ``finetune --data.pairs`` on its file: the run's first version holds, per
+    query, exactly the mined negatives (the refresher's own, test above), in their order."""
+    from test_finetune import finetune
+
+    from retromae_ds.finetuning import data as ance_data
+    from retromae_ds.finetuning import handoff
+
+    beir, model = setup
+    _, lines = _mine(tmp_path, model, "--beir", str(beir), "--num_negatives", "3")
+    mined = {r["query_id"]: [n["id"] for n in r["negatives"]] for r in lines}
+    run = tmp_path / "run"
+    finetune(
+        run,
+        *("--data.pairs", str(tmp_path / "negatives.jsonl"), "--data.corpus", str(beir)),
+        *("--model.init", str(model), "--data.q_max_len", "16", "--data.p_max_len", "32"),
+        *("--micro_batch_size", "4", "--negatives.n_hard", "1", "--max_steps", "1"),
+        *("--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]'),
+    )
+    ts = ance_data.load(run / "data")
+    v0 = handoff.load_version(run / "negatives", 0)
+    pid = ts.passage_ids.to_pylist()
+    got = {q: [pid[i] for i in v0.of(k)] for k, q in enumerate(ts.query_ids)}
+    full = {q: n for q, n in mined.items() if n}
+    assert {q: got[q] for q in full} == full
+    manifest = json.loads(handoff.manifest_file(run / "negatives", 0).read_text())
+    assert manifest["source"] == "file"
+    assert manifest["queries_from_bm25"] == len(mined) - len(full)
