@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
     )  # fmt: skip
     engine = eng.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, ds)
     chunks = GradCacheConfig(query_chunk=args.chunk, passage_chunk=args.chunk)
-    cache = GradCache(chunks, model.loss) if args.chunk else None
+    cache = GradCache(chunks, model.loss_grads) if args.chunk else None
     off = torch.autocast("cpu", enabled=False)
     base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []

@@ -319,7 +319,7 @@ def _grad_cache(cfg: FinetuneConfig, model: DualEncoder, trainer: Trainer) -> Gr
         f"finetune: GradCache, chunks of {gc.query_chunk or cfg.micro_batch_size} queries "
         f"and {gc.passage_chunk or 'all the'} passages"
     )
-    return GradCache(gc, model.loss)
+    return GradCache(gc, model.loss_grads)
 
 
 def _prepare_data(

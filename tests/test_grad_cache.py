@@ -35,6 +35,10 @@ BF16 = dict(rtol=2e-2, atol=1e-3)
 """bf16 autocast: the chunked re-forward sums the parameter gradients in another order, in
 bf16 matmuls. Each ``atol`` is relative to the model's largest gradient (``_close``): in fp32
 the chunks' summation order leaves near-zero elements a few 1e-9 apart."""
+LOSS_CHUNK = dict(rtol=1e-2, atol=2e-3)
+"""``grad_cache.loss_chunk``: the cached gradients differ from the plain loss's by fp32
+rounding (the regrouped score products, about 1e-4 relative), which the backward through a
+saturated softmax and the layer norms amplifies in a few near-cancelling elements."""
 STAGES = (0, 1, 2, 3)
 CASES = {  # name: (pooling, two towers, chunk sizes q/p)
     "cls": ("cls", False, (2, 4)),
@@ -147,7 +151,7 @@ def _engine(model, stage: int, world: int, lr: float = 0.0, precision: str = "fp
     return eng.initialize(model, optimizer, None, cfg)
 
 
-def _cached_grads(model, stage, world, batch, chunks, seed, autocast=False, cache=True):
+def _cached_grads(model, stage, world, batch, chunks, seed, autocast=False, loss_chunk=0):
     """GradCache's step on a DeepSpeed engine: the full gradients before the optimizer step
     (DeepSpeed's ``safe_get_full_grad``: every stage, every rank takes part)."""
     from deepspeed.utils import safe_get_full_grad
@@ -155,7 +159,8 @@ def _cached_grads(model, stage, world, batch, chunks, seed, autocast=False, cach
     from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
 
     engine = _engine(model, stage, world)
-    step = GradCache(GradCacheConfig(query_chunk=chunks[0], passage_chunk=chunks[1]), model.loss)
+    cfg = GradCacheConfig(query_chunk=chunks[0], passage_chunk=chunks[1], loss_chunk=loss_chunk)
+    step = GradCache(cfg, model.loss_grads)
     torch.manual_seed(seed)
     step(engine, batch, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast))
     grads = {}
@@ -176,7 +181,7 @@ def _train(world: int, rank: int, steps: int, stage: int) -> tuple[list[float], 
     per_rank = 2 * PER_RANK // world
     model = _model("cls", False, seed=3, dropout=False)
     engine = _engine(model, stage, world, lr=0.5)
-    step = GradCache(GradCacheConfig(query_chunk=2, passage_chunk=5), model.loss)
+    step = GradCache(GradCacheConfig(query_chunk=2, passage_chunk=5), model.loss_grads)
     losses = []
     for s in range(steps):
         batch = _rank_part(_global_batch(1, 100 + s, per_rank=2 * PER_RANK), rank, per_rank)
@@ -209,6 +214,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             want = _oracle_grads(copy.deepcopy(model), full, world, *chunks, seeds)
             got = _cached_grads(model, stage, world, batch, chunks, seeds[rank])
             results["grads"][(stage, name)] = (got, want)
+    if world > 1:  # the second pass a query at a time: the passages' gradient all-reduced
+        model = _model("cls", False, seed=0)
+        want = _oracle_grads(copy.deepcopy(model), full, world, 2, 4, seeds)
+        got = _cached_grads(model, 3, world, batch, (2, 4), seeds[rank], loss_chunk=1)
+        results["grads"][("loss_chunk", 3)] = (got, want)
     if world == 1:
         for pooling in _poolings():
             model = _model(pooling, False, seed=0)
@@ -281,9 +291,32 @@ def test_cached_gradients_equal_the_plain_step_with_dropout_at_one_rank(runs):
 def test_cached_gradients_equal_the_plain_step_at_two_ranks_under_each_zero_stage(runs):
     """Gathered in-batch negatives across 2 ranks, hard negatives, dropout on; ZeRO 0-3."""
     grads = runs[2]["grads"]
-    assert {k[0] for k in grads} == set(STAGES)
+    assert {k[0] for k in grads} >= set(STAGES)
     for key, (got, want) in grads.items():
-        _close(got, want, FP32, key)
+        if key[0] in STAGES:
+            _close(got, want, FP32, key)
+
+
+def test_loss_chunk_scores_a_few_queries_at_a_time_to_fp32_rounding(runs):
+    """``grad_cache.loss_chunk``: the second pass one query at a time, 2 ranks (the passages'
+    gradient summed over chunks and ranks), ZeRO-3, against the plain step: to ``LOSS_CHUNK``;
+    and the loss function itself against autograd through the plain loss."""
+    from retromae_ds.finetuning.loss import contrastive_loss, contrastive_loss_grads
+
+    _close(*runs[2]["grads"][("loss_chunk", 3)], LOSS_CHUNK, "loss_chunk")
+    full = _global_batch(1, seed=2)
+    g = torch.Generator().manual_seed(0)
+    q, p = torch.randn(PER_RANK, 8, generator=g), torch.randn(PER_RANK * GROUP, 8, generator=g)
+    index, positives = full["p_index"], full["positives"]
+    q_leaf, p_leaf = q.clone().requires_grad_(), p.clone().requires_grad_()
+    loss, accuracy = contrastive_loss(q_leaf, p_leaf, index, positives, temperature=0.5)
+    want = torch.autograd.grad(loss, [q_leaf, p_leaf])
+    for chunk in (1, 2, PER_RANK):
+        got = contrastive_loss_grads(q, p, index, positives, temperature=0.5, chunk=chunk)
+        torch.testing.assert_close(got[0], loss.detach(), rtol=1e-6, atol=0)
+        assert got[1] == accuracy
+        torch.testing.assert_close(got[2], want[0], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got[3], want[1], rtol=1e-5, atol=1e-7)
 
 
 def test_an_incomplete_last_chunk_is_scaled_right(runs):

@@ -5,9 +5,10 @@ stepped in three passes instead of one forward and one backward:
 
 1. every query chunk and every passage chunk is embedded without a graph, the random-number
    state (CPU, and CUDA when the batch is there) saved before each chunk's forward;
-2. the whole micro-batch's embeddings become leaf tensors, the fine-tuning loss
-   (``DualEncoder.loss``: hard negatives, in-batch negatives gathered from every rank) is
-   computed on them, and its gradient with respect to each embedding is kept;
+2. on the whole micro-batch's embeddings, the fine-tuning loss (hard negatives, in-batch
+   negatives gathered from every rank) and its gradient with respect to each embedding are
+   computed (``DualEncoder.loss_grads``; in one piece, or ``loss_chunk`` queries at a time so
+   that the scores held at once are ``[loss_chunk, W*P]``), and the gradients kept;
 3. each chunk is embedded again, with a graph and its random-number state restored (the same
    dropout masks), and ``engine.backward`` runs through ``(embeddings * cached gradient).sum()``,
    so the parameter gradients accumulate to those of one backward through the whole batch.
@@ -39,9 +40,14 @@ class GradCacheConfig:
     queries are one chunk)."""
     passage_chunk: int = 0
     """Passages embedded per chunk (0: off unless query_chunk is set; then one chunk)."""
+    loss_chunk: int = 0
+    """Queries scored at once in the second pass (0: the whole micro-batch, the plain step's
+    own arithmetic). N holds the score matrix to ``[N, all passages of all ranks]`` at large
+    batches; the gradients then differ from the plain step's by fp32 rounding of the
+    regrouped matrix products (up to about 1e-3 of the largest in the tests)."""
 
     def __post_init__(self) -> None:
-        for name in ("query_chunk", "passage_chunk"):
+        for name in ("query_chunk", "passage_chunk", "loss_chunk"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"grad_cache.{name} must be >= 0 (0: off), not {getattr(self, name)}"
@@ -92,16 +98,17 @@ def chunks(batch: dict[str, torch.Tensor], query_chunk: int, passage_chunk: int)
 class GradCache:
     """The fine-tuning step of ``training.loop.Hooks.forward_backward``: ``__call__(engine,
     batch, autocast)`` runs the three passes and returns ``{"loss", "accuracy"}`` (detached).
-    ``loss_fn(q_BD, p_PD, batch)`` is the model's loss (``DualEncoder.loss``)."""
+    ``loss_grads(q_BD, p_PD, batch, chunk)`` is the model's loss with its gradients to the
+    embeddings (``DualEncoder.loss_grads``)."""
 
     def __init__(
         self,
         cfg: GradCacheConfig,
-        loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        loss_grads: Callable[..., tuple[torch.Tensor, ...]],
     ) -> None:
         if not cfg.enabled:
             raise ValueError("grad_cache: set query_chunk or passage_chunk to a size > 0")
-        self.cfg, self.loss_fn = cfg, loss_fn
+        self.cfg, self.loss_grads = cfg, loss_grads
 
     def __call__(
         self, engine: Any, batch: dict[str, torch.Tensor], autocast: torch.autocast
@@ -138,10 +145,9 @@ class GradCache:
         towers = [part.tower for part in parts]
         q_BD = torch.cat([r for r, t in zip(reps, towers, strict=True) if t == "query"])
         p_PD = torch.cat([r for r, t in zip(reps, towers, strict=True) if t == "passage"])
-        q_BD, p_PD = q_BD.requires_grad_(), p_PD.requires_grad_()
-        with torch.enable_grad(), autocast:
-            loss, accuracy = self.loss_fn(q_BD, p_PD, batch)
-        grad_q, grad_p = torch.autograd.grad(loss, [q_BD, p_PD])
+        chunk = self.cfg.loss_chunk or q_BD.shape[0]
+        with autocast:
+            loss, accuracy, grad_q, grad_p = self.loss_grads(q_BD, p_PD, batch, chunk)
         sizes = [r.shape[0] for r in reps]
         n_query = towers.count("query")
         grads = [*grad_q.split(sizes[:n_query]), *grad_p.split(sizes[n_query:])]

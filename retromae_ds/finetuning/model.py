@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
-from retromae_ds.finetuning.loss import contrastive_loss
+from retromae_ds.finetuning.loss import contrastive_loss, contrastive_loss_grads
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import DEFAULT_POOLING, check_pooling, get_pooling
 from retromae_ds.modeling.bow import bow_vectors, head_weights
@@ -127,6 +127,16 @@ class DualEncoder(nn.Module):
         return contrastive_loss(
             q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature
         )
+
+    def loss_grads(
+        self, q_BD: torch.Tensor, p_PD: torch.Tensor, batch: dict[str, torch.Tensor], chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, accuracy, d loss / d ``q_BD``, d loss / d ``p_PD``) of detached embeddings,
+        ``chunk`` queries at a time (GradCache's second pass)."""
+        return contrastive_loss_grads(
+            q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature,
+            chunk=chunk,
+        )  # fmt: skip
 
     def settings(self) -> dict[str, Any]:
         return {
