@@ -8,7 +8,9 @@ default ZeRO-2 fp32 config, a random tiny BERT: ``--hidden`` wide, 2 layers), so
 resident memory is its own: ``os.wait4`` returns the child's ``ru_maxrss``. A step is the
 trainer's: queries of ``--q-len`` tokens, each with its positive and one hard negative of
 ``--p-len`` tokens, the contrastive loss over every passage of the batch; with the cache,
-chunks of ``--chunk`` queries and ``--chunk`` passages. The child reports its RSS after the
+chunks of ``--chunk`` queries and ``--chunk`` passages, the loss ``--loss-chunk`` queries at a
+time; ``--threads`` torch threads (1: the timings suffer least from a shared machine). The
+child reports its RSS after the
 engine is built (``base``) and the time of each step after a first, warm-up one.
 """
 
@@ -38,6 +40,7 @@ def child(args: argparse.Namespace) -> None:
     from retromae_ds.finetuning.model import DualEncoder
 
     eng.setup_distributed()
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=8000, hidden_size=args.hidden, num_hidden_layers=2, num_attention_heads=2,
@@ -50,7 +53,9 @@ def child(args: argparse.Namespace) -> None:
         micro_batch=batch, grad_accum=1, world_size=1, grad_clip=1.0, cuda=False,
     )  # fmt: skip
     engine = eng.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), None, ds)
-    chunks = GradCacheConfig(query_chunk=args.chunk, passage_chunk=args.chunk)
+    chunks = GradCacheConfig(
+        query_chunk=args.chunk, passage_chunk=args.chunk, loss_chunk=args.loss_chunk
+    )
     cache = GradCache(chunks, model.loss_grads) if args.chunk else None
     off = torch.autocast("cpu", enabled=False)
     base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -80,6 +85,7 @@ def child(args: argparse.Namespace) -> None:
 
 def run_one(args: argparse.Namespace, batch: int, chunk: int) -> dict:
     cmd = [sys.executable, __file__, "--child", "--batch", str(batch), "--chunk", str(chunk),
+           "--loss-chunk", str(args.loss_chunk), "--threads", str(args.threads),
            "--hidden", str(args.hidden), "--q-len", str(args.q_len), "--p-len", str(args.p_len),
            "--steps", str(args.steps)]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
@@ -103,7 +109,9 @@ def run_one(args: argparse.Namespace, batch: int, chunk: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--chunk", type=int, default=32, help="GradCache chunk (0 in --child: off)")
+    parser.add_argument("--chunk", type=int, default=64, help="GradCache chunk (0 in --child: off)")
+    parser.add_argument("--loss-chunk", type=int, default=64, help="grad_cache.loss_chunk")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--q-len", type=int, default=16)
     parser.add_argument("--p-len", type=int, default=32)

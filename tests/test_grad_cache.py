@@ -10,7 +10,10 @@ ranks compute everything (DeepSpeed starts once per process); the tests read the
   rank, and at 2 ranks (gathered negatives) under ZeRO 0, 1, 2 and 3; fp32 to rtol 1e-4, and
   under bf16 autocast to the looser ``BF16`` tolerance;
 - chunks that do not divide the batch (and a chunk larger than it) give the same gradients;
-- 2 ranks with B queries each train as 1 rank with 2B, step for step (losses, weights).
+- two cached micro-batches of gradient accumulation give the plain steps' mean (ZeRO 1-3);
+- ``loss_chunk`` (the second pass a few queries at a time) to the looser ``LOSS_CHUNK``;
+- 2 ranks with B queries each train as 1 rank with 2B, step for step (losses, weights);
+- a ``finetune --grad_cache.*`` run with dropout stops and resumes exactly (own processes).
 """
 
 from __future__ import annotations
@@ -138,14 +141,14 @@ def _oracle_grads(model, full, world, chunk_q, chunk_p, seeds, autocast=False):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _engine(model, stage: int, world: int, lr: float = 0.0, precision: str = "fp32"):
+def _engine(model, stage: int, world: int, lr: float = 0.0, accum: int = 1):
     """A DeepSpeed engine with plain SGD (AdamW would turn rounding-level gradients, e.g. the
     attention keys' bias, into full-size steps)."""
     from retromae_ds.components import engine as eng
 
     cfg = eng.build_ds_config(
-        [f"ds_configs/zero{stage}.json", f"ds_configs/{precision}.json"],
-        micro_batch=PER_RANK, grad_accum=1, world_size=world, grad_clip=0.0, cuda=False,
+        [f"ds_configs/zero{stage}.json", "ds_configs/fp32.json"],
+        micro_batch=PER_RANK, grad_accum=accum, world_size=world, grad_clip=0.0, cuda=False,
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return eng.initialize(model, optimizer, None, cfg)
@@ -154,7 +157,6 @@ def _engine(model, stage: int, world: int, lr: float = 0.0, precision: str = "fp
 def _cached_grads(model, stage, world, batch, chunks, seed, autocast=False, loss_chunk=0):
     """GradCache's step on a DeepSpeed engine: the full gradients before the optimizer step
     (DeepSpeed's ``safe_get_full_grad``: every stage, every rank takes part)."""
-    from deepspeed.utils import safe_get_full_grad
 
     from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
 
@@ -163,6 +165,14 @@ def _cached_grads(model, stage, world, batch, chunks, seed, autocast=False, loss
     step = GradCache(cfg, model.loss_grads)
     torch.manual_seed(seed)
     step(engine, batch, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast))
+    return _full_grads(engine)
+
+
+def _full_grads(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient before the optimizer step (DeepSpeed's
+    ``safe_get_full_grad``: every stage, every rank takes part), then the step."""
+    from deepspeed.utils import safe_get_full_grad
+
     grads = {}
     for name, param in engine.module.named_parameters():
         full = safe_get_full_grad(param)
@@ -170,6 +180,32 @@ def _cached_grads(model, stage, world, batch, chunks, seed, autocast=False, loss
             grads[name] = full.detach().clone().float().cpu()
     engine.step()
     return grads
+
+
+def _accumulated(world: int, rank: int, stage: int) -> tuple[dict, dict]:
+    """Two micro-batches with the cache in one optimizer step (``grad_accum`` 2): (DeepSpeed's
+    gradients, the plain step's mean over the two)."""
+    import copy
+
+    from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
+
+    model = _model("cls", False, seed=0)
+    oracle = copy.deepcopy(model)
+    engine = _engine(model, stage, world, accum=2)
+    step = GradCache(GradCacheConfig(query_chunk=2, passage_chunk=4), model.loss_grads)
+    want: dict[str, torch.Tensor] = {}
+    for micro in range(2):
+        full, seeds = (
+            _global_batch(world, seed=20 + micro),
+            [30 + 10 * micro + r for r in range(world)],
+        )
+        for name, grad in _oracle_grads(oracle, full, world, 2, 4, seeds).items():
+            want[name] = want.get(name, 0) + grad / 2
+        torch.manual_seed(seeds[rank])
+        step(engine, _rank_part(full, rank), torch.autocast("cpu", enabled=False))
+        if micro == 0:
+            engine.step()  # not a boundary: nothing is reduced or stepped yet
+    return _full_grads(engine), want
 
 
 def _train(world: int, rank: int, steps: int, stage: int) -> tuple[list[float], dict]:
@@ -219,6 +255,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         want = _oracle_grads(copy.deepcopy(model), full, world, 2, 4, seeds)
         got = _cached_grads(model, 3, world, batch, (2, 4), seeds[rank], loss_chunk=1)
         results["grads"][("loss_chunk", 3)] = (got, want)
+        for stage in (1, 2, 3):
+            results["grads"][("accum", stage)] = _accumulated(world, rank, stage)
     if world == 1:
         for pooling in _poolings():
             model = _model(pooling, False, seed=0)
@@ -295,6 +333,15 @@ def test_cached_gradients_equal_the_plain_step_at_two_ranks_under_each_zero_stag
     for key, (got, want) in grads.items():
         if key[0] in STAGES:
             _close(got, want, FP32, key)
+
+
+def test_gradient_accumulation_over_cached_micro_batches_at_two_ranks(runs):
+    """``grad_accum`` 2: the chunks of the first micro-batch never close the accumulation
+    boundary, the last chunk of the second does; ZeRO 1, 2 and 3 give the plain steps' mean."""
+    grads = runs[2]["grads"]
+    assert {k for k in grads if k[0] == "accum"} == {("accum", s) for s in (1, 2, 3)}
+    for key in sorted(k for k in grads if k[0] == "accum"):
+        _close(*grads[key], FP32, key)
 
 
 def test_loss_chunk_scores_a_few_queries_at_a_time_to_fp32_rounding(runs):
