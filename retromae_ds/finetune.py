@@ -62,6 +62,7 @@ from retromae_ds.finetuning import data as ance_data
 from retromae_ds.finetuning import handoff, pairs_data
 from retromae_ds.finetuning.batches import BatchBuilder, batch_stream
 from retromae_ds.finetuning.feed import NegativesConfig, NegativesFeed
+from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
 from retromae_ds.finetuning.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import check_pooling, get_pooling
@@ -165,6 +166,11 @@ class FinetuneConfig(RunConfig):
     data: FinetuneDataConfig = field(default_factory=FinetuneDataConfig)
     model: DualModelConfig = field(default_factory=DualModelConfig)
     negatives: NegativesConfig = field(default_factory=NegativesConfig)
+    grad_cache: GradCacheConfig = field(default_factory=GradCacheConfig)
+    """GradCache (``retromae_ds.finetuning.grad_cache``): embed a micro-batch in chunks of
+    ``query_chunk`` queries and ``passage_chunk`` passages, without a graph, then re-embed each
+    chunk with its cached loss gradient; the gradients equal one pass over the whole batch,
+    at the memory of a chunk. 0 and 0: off."""
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     """The refresher's settings, written to RUN/refresh_config.json for any refresher of this
     run (a local one, a Slurm step), and ``refresh.mining``, with which the trainer mines the
@@ -308,6 +314,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         marker=lambda: {"objective": "contrastive", **feed.marker()},
         log_fields=lambda: feed.log_fields(trainer.step),
         after_step=feed.after_step,
+        forward_backward=_grad_cache(cfg, model, trainer),
     )
     if dist.rank == 0:
         refresh_file = _write_refresh_config(cfg, layout)
@@ -326,6 +333,18 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         feed.stop_local_refresher()
         trainer.close()
     return last
+
+
+def _grad_cache(cfg: FinetuneConfig, model: DualEncoder, trainer: Trainer) -> GradCache | None:
+    """The GradCache step when ``grad_cache`` asks for one (said in the log), else None."""
+    gc = cfg.grad_cache
+    if not gc.enabled:
+        return None
+    trainer.note(
+        f"finetune: GradCache, chunks of {gc.query_chunk or cfg.micro_batch_size} queries "
+        f"and {gc.passage_chunk or 'all the'} passages"
+    )
+    return GradCache(gc, model.loss_grads)
 
 
 def _prepare_data(

@@ -247,3 +247,14 @@ def test_bench_bow_eval_times_both_paths_and_finds_them_equal(tmp_path):
                 "--hidden", "16", "--rounds", "2", tmp_path=tmp_path)  # fmt: skip
     assert rows["max_abs_diff"] < 1e-5
     assert len(rows["times"]["dense"]) == 2 and min(rows["times"]["baseline"]) > 0
+
+
+def test_bench_grad_cache_runs_both_arms_in_their_own_processes(tmp_path):
+    rows = _run(
+        "bench_grad_cache.py",
+        *("--batches", "8", "--chunk", "4", "--loss-chunk", "4", "--steps", "1"),
+        tmp_path=tmp_path,
+    )
+    assert [(r["batch"], r["chunk"]) for r in rows] == [(8, 0), (8, 4)]
+    for r in rows:
+        assert r["peak_mb"] >= r["base_mb"] > 0 and r["s_per_step"] > 0, r

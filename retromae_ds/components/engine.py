@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -206,6 +207,26 @@ def initialize(model: torch.nn.Module, optimizer, scheduler, ds_config: dict[str
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
     return engine
+
+
+def backward_parts(engine, parts: int, part_loss: Callable[[int], torch.Tensor]) -> None:
+    """Several backward passes inside one micro-batch (GradCache's chunks): ``part_loss(i)``
+    (a forward through ``engine(...)``, so ZeRO-3 gathers the weights and counts the pass)
+    then ``engine.backward`` of it, for ``i`` in ``range(parts)``. Only the last pass may close
+    the gradient-accumulation boundary, and does when the micro-batch does: the earlier ones
+    accumulate as the micro-batches before a boundary do (ZeRO 0/1 keep them on the
+    parameters, ZeRO 2/3 reduce them into their partitions as they go), the last triggers the
+    reduction a plain ``engine.backward`` would. Each pass is scaled by the accumulation steps
+    as a plain one is; the engine's own boundary setting is put back afterwards (as
+    DeepSpeed's ``coalesce_grad_reduction`` does), so ``engine.step()`` counts as usual."""
+    closes = engine.is_gradient_accumulation_boundary()
+    saved = engine._is_gradient_accumulation_boundary
+    try:
+        for i in range(parts):
+            engine.set_gradient_accumulation_boundary(closes and i == parts - 1)
+            engine.backward(part_loss(i))
+    finally:
+        engine._is_gradient_accumulation_boundary = saved
 
 
 def save_engine(engine, folder: Path, tag: str, client_state: dict[str, Any]) -> None:

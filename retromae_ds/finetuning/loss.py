@@ -12,6 +12,10 @@ rank's block (its positive first, then n hard negatives). Each query is scored a
 passages of all ranks (inner product / temperature); cross-entropy on its positive. Columns
 holding another positive of the same query (the same document listed for two queries, or a
 query with several positives) are masked out rather than counted as negatives.
+
+``contrastive_loss_grads``: the same loss and its gradients to this rank's embeddings, for
+GradCache's second pass (``finetuning.grad_cache``), in one piece or a chunk of queries at a
+time (then no ``[B, W*P]`` score matrix is ever whole).
 """
 
 from __future__ import annotations
@@ -73,19 +77,72 @@ def contrastive_loss(
     ``passage_index_P`` their passage indices; ``positives_BK`` each query's positives
     (passage indices, ``-1`` padded), used to mask false in-batch negatives.
     """
+    group = _group(q_BD, p_PD)
+    rank, _ = _world()
+    p_all = gather_with_grad(p_PD)  # [W*P, D]
+    index_all = gather_no_grad(passage_index_P.to(p_PD.device))  # [W*P]
+    target_B = rank * p_PD.shape[0] + torch.arange(q_BD.shape[0], device=q_BD.device) * group
+    scores_BN = _masked_scores(q_BD, p_all, index_all, positives_BK, target_B, temperature)
+    loss = torch.nn.functional.cross_entropy(scores_BN.float(), target_B)
+    accuracy = (scores_BN.argmax(1) == target_B).float().mean()
+    return loss, accuracy.detach()
+
+
+def _group(q_BD: torch.Tensor, p_PD: torch.Tensor) -> int:
     batch = q_BD.shape[0]
     group = p_PD.shape[0] // batch
     if group * batch != p_PD.shape[0]:
         raise ValueError(f"{p_PD.shape[0]} passages for {batch} queries")
-    rank, _ = _world()
-    p_all = gather_with_grad(p_PD)  # [W*P, D]
-    index_all = gather_no_grad(passage_index_P.to(p_PD.device))  # [W*P]
+    return group
+
+
+def _masked_scores(q_BD, p_all, index_all, positives_BK, target_B, temperature) -> torch.Tensor:
+    """Each query's scores against every passage of every rank, its other positives masked."""
     scores_BN = q_BD @ p_all.T / temperature
-    target_B = rank * p_PD.shape[0] + torch.arange(batch, device=q_BD.device) * group
     positives_BK = positives_BK.to(q_BD.device)
     is_positive_BN = (index_all[None, :, None] == positives_BK[:, None, :]).any(-1)
-    is_positive_BN[torch.arange(batch, device=q_BD.device), target_B] = False
-    scores_BN = scores_BN.masked_fill(is_positive_BN, torch.finfo(scores_BN.dtype).min)
-    loss = torch.nn.functional.cross_entropy(scores_BN.float(), target_B)
-    accuracy = (scores_BN.argmax(1) == target_B).float().mean()
-    return loss, accuracy.detach()
+    is_positive_BN[torch.arange(q_BD.shape[0], device=q_BD.device), target_B] = False
+    return scores_BN.masked_fill(is_positive_BN, torch.finfo(scores_BN.dtype).min)
+
+
+def contrastive_loss_grads(
+    q_BD: torch.Tensor,
+    p_PD: torch.Tensor,
+    passage_index_P: torch.Tensor,
+    positives_BK: torch.Tensor,
+    *,
+    temperature: float,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``contrastive_loss`` (loss, accuracy) with its gradients to ``q_BD`` and ``p_PD``
+    (GradCache's second pass), ``chunk`` queries at a time: the scores held at once are
+    ``[chunk, W*P]``, never ``[B, W*P]`` when ``chunk`` < B. The passages' gradient is summed
+    over every rank's queries (one all-reduce), as the gathered loss's backward gives it."""
+    group = _group(q_BD, p_PD)
+    rank, world = _world()
+    batch, device = q_BD.shape[0], q_BD.device
+    p_all = gather_no_grad(p_PD.detach()).requires_grad_()  # [W*P, D]
+    index_all = gather_no_grad(passage_index_P.to(device))
+    target_B = rank * p_PD.shape[0] + torch.arange(batch, device=device) * group
+    grad_q = torch.empty_like(q_BD)
+    grad_p_all = torch.zeros_like(p_all, dtype=torch.float32)  # summed over chunks
+    loss = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device)
+    for start in range(0, batch, chunk):
+        rows = slice(start, start + chunk)
+        q_CD = q_BD[rows].detach().requires_grad_()
+        with torch.enable_grad():
+            scores_CN = _masked_scores(
+                q_CD, p_all, index_all, positives_BK[rows], target_B[rows], temperature
+            )
+            part = torch.nn.functional.cross_entropy(
+                scores_CN.float(), target_B[rows], reduction="sum"
+            )
+            grad_q[rows], grad_p = torch.autograd.grad(part / batch, [q_CD, p_all])
+        grad_p_all += grad_p
+        loss += part.detach()
+        correct += (scores_CN.argmax(1) == target_B[rows]).sum()
+    if world > 1:
+        dist.all_reduce(grad_p_all)
+    rows_p = slice(rank * p_PD.shape[0], (rank + 1) * p_PD.shape[0])
+    return loss / batch, correct / batch, grad_q, grad_p_all[rows_p].to(p_PD.dtype)

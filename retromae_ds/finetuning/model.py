@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
-from retromae_ds.finetuning.loss import contrastive_loss
+from retromae_ds.finetuning.loss import contrastive_loss, contrastive_loss_grads
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import DEFAULT_POOLING, check_pooling, get_pooling
 from retromae_ds.modeling.bow import bow_vectors, head_weights
@@ -106,13 +106,37 @@ class DualEncoder(nn.Module):
         emb_BD = self.pool(hidden_BLD, mask_BL, bow_BV)
         return nn.functional.normalize(emb_BD, dim=-1) if self.normalize else emb_BD
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def forward(
+        self, batch: dict[str, torch.Tensor], *, embed: str | None = None
+    ) -> dict[str, torch.Tensor] | torch.Tensor:
+        """The loss and accuracy of a collated batch; with ``embed`` ("query" or "passage")
+        the embeddings of ``batch["ids"]``, ``batch["mask"]`` instead: what GradCache
+        (``finetuning.grad_cache``) runs through the engine chunk by chunk, so that ZeRO-3
+        gathers the weights for it and counts each pass."""
+        if embed is not None:
+            return self.embed(batch["ids"], batch["mask"], query=embed == "query")
         q_BD = self.embed(batch["q_ids"], batch["q_mask"], query=True)
         p_PD = self.embed(batch["p_ids"], batch["p_mask"], query=False)
-        loss, accuracy = contrastive_loss(
+        loss, accuracy = self.loss(q_BD, p_PD, batch)
+        return {"loss": loss, "accuracy": accuracy}
+
+    def loss(
+        self, q_BD: torch.Tensor, p_PD: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(contrastive loss, accuracy) of this rank's query and passage embeddings."""
+        return contrastive_loss(
             q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature
         )
-        return {"loss": loss, "accuracy": accuracy}
+
+    def loss_grads(
+        self, q_BD: torch.Tensor, p_PD: torch.Tensor, batch: dict[str, torch.Tensor], chunk: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, accuracy, d loss / d ``q_BD``, d loss / d ``p_PD``) of detached embeddings,
+        ``chunk`` queries at a time (GradCache's second pass)."""
+        return contrastive_loss_grads(
+            q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature,
+            chunk=chunk,
+        )  # fmt: skip
 
     def settings(self) -> dict[str, Any]:
         return {

@@ -246,6 +246,13 @@ class Hooks:
     the last; must leave the model's mode and the random-number generators untouched."""
     eval_every: int = 0
     """Steps between evaluations (0: only before the first and after the last step)."""
+    forward_backward: (
+        Callable[[Any, dict[str, torch.Tensor], torch.autocast], dict[str, torch.Tensor]] | None
+    ) = None
+    """``(engine, batch, autocast) -> outputs``: one micro-batch's forward and backward passes,
+    for a task that splits them (several ``engine(...)`` and ``engine.backward`` calls through
+    ``components.engine.backward_parts``); the outputs hold the ``metrics``, detached. None:
+    ``engine(batch)`` under ``autocast``, then ``engine.backward`` of its loss."""
 
 
 class Trainer:
@@ -508,12 +515,15 @@ class Trainer:
         """One micro-batch forward, backward and engine step; its counts and metrics kept on
         the device; returns ``first_bad`` (the first step with a non-finite loss, 0: none)."""
         batch = {k: v.to(self.dist.device, non_blocking=True) for k, v in batch.items()}
-        with autocast:
-            out = self.engine(batch)
+        if hooks.forward_backward is None:
+            with autocast:
+                out = self.engine(batch)
+            self.engine.backward(out["loss"])
+        else:
+            out = hooks.forward_backward(self.engine, batch, autocast)
         if self.cfg.stop_on_nonfinite:  # the first step with a non-finite loss, on device
             bad = ~torch.isfinite(out["loss"].detach()) & (first_bad == 0)
             first_bad = torch.where(bad, step + 1, first_bad)
-        self.engine.backward(out["loss"])
         self.engine.step()
         self.sampler.advance(hooks.consumed(batch))
         for name, n in hooks.counts(batch).items():
