@@ -110,9 +110,14 @@ class EffectOptions:
 
     def __post_init__(self) -> None:
         if not self.seeds or not self.batches or min(self.batches) < 1:
-            raise ValueError(f"--seeds and --batches need one value or more, batches >= 1: {self}")
+            raise ValueError(
+                f"--seeds and --batches need a value each, batches >= 1, not {self.batches}"
+            )
         if self.epochs <= 0 or self.chunk < 1 or self.lr_batch < 1:
-            raise ValueError("--epochs must be > 0, --chunk and --lr_batch >= 1")
+            raise ValueError(
+                f"--epochs must be > 0 (not {self.epochs}), --chunk and --lr_batch >= 1 (not "
+                f"{self.chunk}, {self.lr_batch})"
+            )
 
 
 def lr_for(opts: EffectOptions, batch: int) -> float:
