@@ -66,6 +66,10 @@ def test_queries_taken_out_of_their_paragraph_and_split_by_article(tmp_path):
     again = build([raw], tmp_path / "again", min_words=40, dev_fraction=0.2, test_fraction=0.2)
     for name in ("corpus.jsonl", "queries.jsonl", "qrels/train.tsv", "qrels/test.tsv"):
         assert (again / name).read_text() == (out / name).read_text()
+    # the same folder with other settings is refused, not silently reused
+    assert build([raw], out, min_words=40, dev_fraction=0.2, test_fraction=0.2) == out
+    with pytest.raises(ValueError, match="ict_task.json"):
+        build([raw], out, min_words=30, dev_fraction=0.2, test_fraction=0.2)
     # one query a paragraph: one query per passage
     one = build([raw], tmp_path / "one", per_paragraph=1)
     assert json.loads((one / "ict_task.json").read_text())["passages"] == len(corpus)

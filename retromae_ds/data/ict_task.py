@@ -14,7 +14,8 @@ Articles, in an order drawn with ``seed``, fill ``qrels/test.tsv`` and ``qrels/d
 ``test_fraction`` and ``dev_fraction`` of the queries (an article that would overshoot goes
 to the next split), the rest ``qrels/train.tsv``: no article's paragraphs cross splits. The
 corpus holds every split's passages. Everything is a pure function of the files and the
-settings; ``ict_task.json`` records the settings and the counts.
+settings; ``ict_task.json`` records the settings and the counts, and a folder built with
+others is refused rather than reused.
 """
 
 from __future__ import annotations
@@ -104,7 +105,15 @@ def build(
 ) -> Path:
     """Write the BEIR folder ``out`` (see the module docstring); an existing one is kept."""
     out = Path(out)
+    settings = {"min_words": min_words, "per_paragraph": per_paragraph, "keep": keep, "seed": seed}
+    wanted = {**settings, "dev_fraction": dev_fraction, "test_fraction": test_fraction}
     if (out / "ict_task.json").is_file():
+        made = json.loads((out / "ict_task.json").read_text())
+        if made["settings"] != wanted or made["sources"] != [str(r) for r in raws]:
+            raise ValueError(
+                f"{out}/ict_task.json: built from other files or settings ({made['settings']}); "
+                "remove the folder or use another output folder"
+            )
         return out
     if (
         not 0 < keep < 1
@@ -116,7 +125,6 @@ def build(
             f"ict_task: keep in (0, 1) and dev_fraction + test_fraction < 1, not keep {keep}, "
             f"dev_fraction {dev_fraction}, test_fraction {test_fraction}"
         )
-    settings = {"min_words": min_words, "per_paragraph": per_paragraph, "keep": keep, "seed": seed}
     articles = [(Path(raw).name, a) for raw in raws for a in parse_articles(raw)]
     units = [_article_units(a.body, f"{name}:{a.title}", settings) for name, a in articles]
     counts = [sum(len(qs) for qs, _ in u) for u in units]
@@ -141,7 +149,7 @@ def build(
     atomic_write_text(out / "qrels" / "dev.tsv", dev)
     summary = {
         "sources": [str(r) for r in raws],
-        "settings": {**settings, "dev_fraction": dev_fraction, "test_fraction": test_fraction},
+        "settings": wanted,
         "passages": len(corpus),
         "queries": {s: len(qrels[s]) for s in SPLITS},
         "articles": {s: split_of.count(s) for s in SPLITS},
