@@ -20,7 +20,8 @@ from retromae_ds.base import config as config_module
 from retromae_ds.base.config import to_dict
 from retromae_ds.base.options import build_config, leaves, parse_command
 from retromae_ds.pretrain import PretrainConfig
-from retromae_recipes import finetune, knobs, study
+from retromae_recipes import batch_effect, finetune, knobs, study
+from retromae_recipes.batch_effect import EffectOptions
 from retromae_recipes.finetune import RecipeConfig, RecipeOptions, recipe_config
 from retromae_recipes.knobs import KnobsOptions
 from retromae_recipes.study_config import (
@@ -37,9 +38,17 @@ RECIPES = {
     "scripts/study.py": StudyOptions,
     "scripts/knobs.py": KnobsOptions,
     "scripts/finetune_scifact.py": RecipeOptions,
+    "scripts/batch_effect.py": EffectOptions,
 }
-MAINS = {StudyOptions: study.main, KnobsOptions: knobs.main, RecipeOptions: finetune.main}
-SCRIPT = re.compile(r"^(?:python\s+)?(scripts/(?:study|knobs|finetune_scifact)\.py)\b(.*)$", re.S)
+MAINS = {
+    StudyOptions: study.main,
+    KnobsOptions: knobs.main,
+    RecipeOptions: finetune.main,
+    EffectOptions: batch_effect.main,
+}
+SCRIPT = re.compile(
+    r"^(?:python\s+)?(scripts/(?:study|knobs|finetune_scifact|batch_effect)\.py)\b(.*)$", re.S
+)
 
 
 def _documented() -> list[tuple[str, str, list[str]]]:
@@ -74,6 +83,8 @@ def _built(cls: type, opts: object) -> object:
     if cls is KnobsOptions:
         base = build_config(PretrainConfig, None, ["--data.shards", "s", "--max_steps", "9"])
         return knobs.with_settings(base, opts.set)
+    if cls is EffectOptions:
+        return opts  # the options are the experiment's config; building it writes the task
     return recipe_config(dataclasses.replace(opts, builtin_task=False))
 
 
@@ -91,7 +102,7 @@ def test_every_documented_recipe_command_parses_in_the_one_spelling():
         assert all(name in names for name in given), (where, script, args)
         if cls is StudyOptions and not ({"data", "pretrain_inputs"} & set(given)):
             args = [*args, "--data", "data"]  # a prose command that leaves the data implicit
-        if cls is not StudyOptions and "data" not in given and "study" not in given:
+        if cls in (RecipeOptions, KnobsOptions) and "data" not in given and "study" not in given:
             args = [
                 *(["--data", "data"] if cls is RecipeOptions else ["--study", "s", "--out", "o"]),
                 *args,
@@ -123,6 +134,9 @@ def test_help_lists_every_field_with_its_docstring(cls, capsys):
         (RecipeOptions, ["--data", "d", "--refresh_mode", "poool"], "--refresh_mode"),
         (RecipeOptions, ["--data", "d", "--extra_task", "nameless"], "--extra_task"),
         (RecipeOptions, ["--out", "o"], "--data"),
+        (EffectOptions, ["--lr_rule", "cube"], "--lr_rule"),
+        (EffectOptions, ["--batches", "32", "0"], "--batches"),
+        (EffectOptions, ["--epochs", "0"], "--epochs"),
     ],
 )
 def test_a_bad_option_is_one_line_naming_it(cls, argv, named, capsys):
