@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,28 @@ def run_stage(
     if proc.returncode != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
+
+
+def run_finetune(config: Any) -> Path:
+    """``retromae-ds finetune`` of ``config`` (a ``FinetuneConfig``) in a subprocess, its
+    config beside the run folder (``RUN_config.json``), its output appended to ``RUN.log``
+    and its wall time in ``RUN/recipe_timing.json``; a finished run is kept and skipped."""
+    from retromae_ds.base.config import to_dict
+    from retromae_ds.components.layout import RunLayout
+
+    layout = RunLayout(config.run_dir)
+    if layout.finished.is_file():
+        return layout.root
+    layout.root.mkdir(parents=True, exist_ok=True)
+    path = layout.root.with_name(layout.root.name + "_config.json")
+    write_json(to_dict(config), path)
+    log = layout.root.with_name(layout.root.name + ".log")
+    t = time.perf_counter()
+    run_stage(
+        [sys.executable, "-m", "retromae_ds.finetune", "--config", str(path)], log, append=True
+    )
+    write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
+    return layout.root
 
 
 def write_json(obj: Any, path: Path) -> None:

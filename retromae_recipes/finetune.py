@@ -52,7 +52,13 @@ from retromae_ds.finetune import (
 )
 from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
-from retromae_recipes.common import minilm_dir, pyplot, run_stage, save_figure, write_json
+from retromae_recipes.common import (
+    minilm_dir,
+    pyplot,
+    run_finetune,
+    save_figure,
+    write_json,
+)
 from retromae_recipes.report_rows import compare
 
 ARMS = ("bm25", "ance")
@@ -265,19 +271,7 @@ class Recipe:
     # -- running ------------------------------------------------------------------------
     def finetuned(self, arm: str, seed: int) -> Path:
         """The run folder of (arm, seed), trained (or resumed) to its last step."""
-        config = self.config(arm, seed)
-        layout = RunLayout(config.run_dir)
-        if layout.finished.is_file():
-            return layout.root
-        layout.root.mkdir(parents=True, exist_ok=True)
-        path = layout.root.with_name(layout.root.name + "_config.json")
-        write_json(to_dict(config), path)
-        log = layout.root.with_name(layout.root.name + ".log")
-        t = time.perf_counter()
-        cmd = [sys.executable, "-m", "retromae_ds.finetune", "--config", str(path)]
-        run_stage(cmd, log, append=True)
-        write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
-        return layout.root
+        return run_finetune(self.config(arm, seed))
 
     def evaluate(
         self, name: str, model: Path, beir: str | Path, split: str, max_length: int | None = None
