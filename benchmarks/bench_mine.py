@@ -25,7 +25,8 @@ For each N:
   faiss is installed). Both encode with ``--batch-size`` texts a batch and all cores.
 
 Reported per (N, tool): seconds from model load to the output written (imports excluded), the
-whole process's wall time, peak RSS (the larger of the child's ``VmHWM`` and the ``ru_maxrss``
+whole process's wall time and CPU time (user + system, its children included: the machine
+may be shared), peak RSS (the larger of the child's ``VmHWM`` and the ``ru_maxrss``
 that ``os.wait4`` returns for it, which counts its own children too) and the RSS after
 imports; for ST's rows, the share of queries whose 10 negatives are ours as a set, as a set
 with ties aside (a differing set whose 10th score is within ``--tie`` of ours), and in the same
@@ -141,20 +142,20 @@ def child(args) -> None:
     print(json.dumps(row), flush=True)
 
 
-def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int | None, int]:
-    """(exit status or None on timeout, ru_maxrss bytes) of ``proc``; on timeout its process
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int | None, object]:
+    """(exit status or None on timeout, resource usage) of ``proc``; on timeout its process
     group is killed."""
     deadline = time.monotonic() + timeout
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, usage.ru_maxrss * 1024
+            return proc.returncode, usage
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
-            return None, usage.ru_maxrss * 1024
+            return None, usage
         time.sleep(0.2)
 
 
@@ -182,9 +183,11 @@ def measure(args, tool: str, n: int, beir: Path, model: Path, work: Path) -> dic
             cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
         ) as proc,
     ):
-        rc, maxrss = _wait(proc, args.timeout)
+        rc, usage = _wait(proc, args.timeout)
         stdout = proc.stdout.read()
+    maxrss = usage.ru_maxrss * 1024
     row["wall_s"], row["ru_maxrss"] = time.perf_counter() - t0, maxrss
+    row["cpu_s"] = usage.ru_utime + usage.ru_stime
     row["loadavg_after"] = os.getloadavg()
     if rc is None:
         row["error"] = f"timed out after {args.timeout:.0f} s (killed)"
@@ -245,10 +248,10 @@ def print_rows(rows: list[dict]) -> None:
         return f"{r['agreement'][key]:.3f}" if "agreement" in r else "-"
 
     common.print_table(
-        ["passages", "tool", "seconds", "process wall s", "peak RSS MiB", "RSS after imports MiB",
+        ["passages", "tool", "seconds", "process wall s", "process CPU s", "peak RSS MiB", "RSS after imports MiB",
          "same 10 (set)", "same 10 (set, ties aside)", "same order", "load avg (1 min)", "note"],
         [
-            [f"{r['passages']:,}", r["tool"], _cell(r, "seconds", ".1f"), f"{r['wall_s']:.1f}",
+            [f"{r['passages']:,}", r["tool"], _cell(r, "seconds", ".1f"), f"{r['wall_s']:.1f}", f"{r['cpu_s']:.0f}",
              _cell(r, "peak_rss", ".0f", MIB), _cell(r, "rss_imports", ".0f", MIB),
              agree(r, "same_set"), agree(r, "same_set_ties_aside"), agree(r, "same_order"),
              f"{r['loadavg_before'][0]:.2f}", r.get("error", "")]
