@@ -249,7 +249,6 @@ def test_bench_bow_eval_times_both_paths_and_finds_them_equal(tmp_path):
     assert len(rows["times"]["dense"]) == 2 and min(rows["times"]["baseline"]) > 0
 
 
-<<<<<<< HEAD
 def test_bench_grad_cache_runs_both_arms_in_their_own_processes(tmp_path):
     rows = _run(
         "bench_grad_cache.py",
@@ -259,7 +258,8 @@ def test_bench_grad_cache_runs_both_arms_in_their_own_processes(tmp_path):
     assert [(r["batch"], r["chunk"]) for r in rows] == [(8, 0), (8, 4)]
     for r in rows:
         assert r["peak_mb"] >= r["base_mb"] > 0 and r["s_per_step"] > 0, r
-=======
+
+
 def test_bench_mine_smoke_runs_ours_and_sentence_transformers_on_the_same_embeddings(tmp_path):
     """Issue 57's mining benchmark (benchmarks/bench_mine.py) at 2,000 passages and 50
     queries: ``retromae-ds mine`` and sentence-transformers' ``mine_hard_negatives`` (and its
@@ -280,4 +280,3 @@ def test_bench_mine_smoke_runs_ours_and_sentence_transformers_on_the_same_embedd
     for tool in set(rows) - {"ours"}:
         agree = rows[tool]["agreement"]
         assert agree["queries"] == 50 and agree["same_set_ties_aside"] >= 0.99, (tool, agree)
->>>>>>> i57_bench
