@@ -6,7 +6,6 @@ the errors and the memory bounds are described in :mod:`retromae_ds.data.pairs`.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from retromae_ds.data.pairs_records import (
     Example,
     Passage,
     has_positive,
+    json_records,
     kind_of,
     list_field,
     need,
@@ -30,7 +30,7 @@ from retromae_ds.data.pairs_records import (
     scores_field,
     string_field,
 )
-from retromae_ds.data.sources import InputError, text_lines
+from retromae_ds.data.sources import InputError
 
 
 # --------------------------------------------------------------------------- ids to texts
@@ -60,18 +60,6 @@ def _query_text(query_id: str, name: str, where: str, corpus: Corpus | None) -> 
 
 
 # --------------------------------------------------------------------------- jsonl formats
-def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
-    for line_no, line in text_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(record, dict):
-            raise InputError(f"{where}: expected a JSON object, found {kind_of(record)}")
-        yield where, record
 
 
 def _fe_example(record: dict, where: str, corpus: Corpus | None, by_id: bool) -> Example:
@@ -230,13 +218,13 @@ def _st_source(path: Path) -> tuple[list[str], Callable[[], Iterator[tuple[str, 
                     yield f"{path}: row {n}", row
 
         return columns, rows
-    first = next(_json_records(path), None)
+    first = next(json_records(path), None)
     if first is None:
         return [], lambda: iter(())
     columns = list(first[1])
 
     def json_rows() -> Iterator[tuple[str, dict]]:
-        for where, record in _json_records(path):
+        for where, record in json_records(path):
             for name in columns:
                 need(record, name, where)
             yield where, record
@@ -372,7 +360,7 @@ def _read_st(path: Path, corpus: Corpus | None, by_id: bool) -> Iterator[Example
 def _detect(path: Path) -> str:
     if path.is_dir() or path.suffix == ".parquet":
         return "st"
-    first = next(_json_records(path), None)
+    first = next(json_records(path), None)
     if first is None:
         return "st"  # an empty file: no examples in any format
     keys = set(first[1])
@@ -430,7 +418,7 @@ def _stream(
         if kind == "st":
             yield from _read_st(path, corpus, by_id)
             return
-        for where, record in _json_records(path):
+        for where, record in json_records(path):
             if kind == "flagembedding":
                 yield _fe_example(record, where, corpus, by_id)
             elif kind == "tevatron":

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from retromae_ds.data.sources import InputError, invalid_utf8
+from retromae_ds.data.sources import InputError, invalid_utf8, text_lines
 
 READ_FORMATS = ("flagembedding", "st", "tevatron", "mined")
 WRITE_FORMATS = (
@@ -75,6 +75,22 @@ def kind_of(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "a number"
     return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")
+
+
+def json_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(file:line, object)`` of each non-blank line of a jsonl file; a line that is not a
+    JSON object is a one-line ``InputError`` naming file and line."""
+    for line_no, line in text_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise InputError(f"{where}: expected a JSON object, found {kind_of(record)}")
+        yield where, record
 
 
 def need(record: dict, name: str, where: str) -> Any:

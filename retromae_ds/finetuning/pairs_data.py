@@ -40,6 +40,7 @@ import numpy as np
 
 from retromae_ds.base.fsutil import atomic_write_text, fsync_dir, sha256_file
 from retromae_ds.data.pairs import Example, Passage, read_examples
+from retromae_ds.data.pairs_records import json_records
 
 STAGED = "STAGED.json"
 NEGATIVES = "negatives.jsonl"
@@ -79,22 +80,13 @@ class _Stager:
     def _copy_corpus(self, corpus: str | Path) -> None:
         path = Path(corpus)
         path = path / "corpus.jsonl" if path.is_dir() else path
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    doc_id = str(record.get("_id", record.get("docid")))
-                except (json.JSONDecodeError, AttributeError):
-                    raise ValueError(
-                        f"{path}:{n}: not a JSON object (a BEIR corpus line)"
-                    ) from None
-                if doc_id not in self.ids:
-                    self.ids.add(doc_id)
-                    self.out.write(json.dumps({"_id": doc_id, "title": record.get("title") or "",
-                                               "text": record.get("text") or ""}) + "\n")  # fmt: skip
-                    self.copied += 1
+        for _, record in json_records(path):
+            doc_id = str(record.get("_id", record.get("docid")))
+            if doc_id not in self.ids:
+                self.ids.add(doc_id)
+                self.out.write(json.dumps({"_id": doc_id, "title": record.get("title") or "",
+                                           "text": record.get("text") or ""}) + "\n")  # fmt: skip
+                self.copied += 1
 
     def passage(self, p: Passage, where: str) -> str:
         """The passage's id in the staged corpus (written there the first time)."""

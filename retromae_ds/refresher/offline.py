@@ -23,7 +23,8 @@ from typing import Any
 
 from retromae_ds.base.fsutil import atomic_open, atomic_write_text, sha256_file
 from retromae_ds.data.pairs import Example, read_examples
-from retromae_ds.data.sources import InputError, text_lines
+from retromae_ds.data.pairs_records import json_records
+from retromae_ds.data.sources import InputError
 from retromae_ds.finetuning import data as ance_data
 from retromae_ds.hf import sbert
 from retromae_ds.refresher.config import RefreshConfig
@@ -47,15 +48,8 @@ def _text_key(text: str) -> bytes:
 
 def _corpus_records(docs: Path) -> Iterator[tuple[str, dict]]:
     """``(file:line, record)`` of a BEIR corpus, each with a string ``_id``."""
-    for lineno, line in text_lines(docs):
-        if not line.strip():
-            continue
-        where = f"{docs}:{lineno}"
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            raise InputError(f"{where}: not JSON ({exc})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("_id"), str):
+    for where, record in json_records(docs):
+        if not isinstance(record.get("_id"), str):
             raise InputError(f"{where}: field '_id': missing or not a string")
         yield where, record
 
