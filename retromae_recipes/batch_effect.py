@@ -52,6 +52,7 @@ from retromae_ds.finetuning.grad_cache import GradCacheConfig
 from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import (
+    evaluate_cached,
     minilm_dir,
     pyplot,
     run_finetune,
@@ -147,7 +148,7 @@ class Experiment:
             test_fraction=opts.test_fraction,
         )
         self.sizes = json.loads((self.task / "ict_task.json").read_text())
-        self._loaded: dict[str, Any] = {}
+        self._loaded: dict[tuple[str, str], Any] = {}
 
     def run_dir(self, batch: int, seed: int) -> Path:
         return self.out / "runs" / f"b{batch}_s{seed}"
@@ -197,29 +198,9 @@ class Experiment:
         """MEASURES of ``model`` on ``split`` at its own pooling and length, cached as
         ``out/eval/NAME.json``."""
         path = self.out / "eval" / f"{name}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-        import torch
-
-        from retromae_ds.eval.run import evaluate_beir
-        from retromae_ds.retrieval.beir import load_beir
-
-        if split not in self._loaded:
-            self._loaded[split] = load_beir(self.task, split)
-        t = time.perf_counter()
-        result = evaluate_beir(
-            model,
-            self._loaded[split],
-            split,
-            measures=MEASURES,
-            device="cpu",
-            amp_dtype=torch.bfloat16 if self.opts.eval_bf16 else None,
-            progress=False,
-            verbose=False,
+        return evaluate_cached(
+            path, model, self.task, split, self._loaded, bf16=self.opts.eval_bf16
         )
-        row = {"split": split, "metrics": result["metrics"], "seconds": time.perf_counter() - t}
-        write_json(row, path)
-        return row
 
     def bm25(self) -> dict[str, Any]:
         path = self.out / "eval" / "bm25.json"

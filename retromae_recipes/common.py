@@ -4,6 +4,7 @@ results written atomically, and matplotlib when it is installed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,53 @@ def run_finetune(config: Any) -> Path:
     )
     write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
     return layout.root
+
+
+def evaluate_cached(
+    path: Path,
+    model: Path,
+    beir: str | Path,
+    split: str,
+    loaded: dict[tuple[str, str], Any],
+    *,
+    bf16: bool,
+    max_length: int | None = None,
+) -> dict[str, Any]:
+    """nDCG@10, MRR@10 and Recall@100 of ``model`` on ``beir``'s ``split`` (its own pooling;
+    its own length unless ``max_length``), on CPU, cached as ``path``; ``loaded`` keeps the
+    collections read so far, by (folder, split)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    import torch
+
+    from retromae_ds.eval.run import evaluate_beir
+    from retromae_ds.retrieval.beir import load_beir
+    from retromae_recipes.report_rows import MEASURES
+
+    key = (str(beir), split)
+    if key not in loaded:
+        loaded[key] = load_beir(beir, split)
+    t = time.perf_counter()
+    result = evaluate_beir(
+        model,
+        loaded[key],
+        split,
+        measures=MEASURES,
+        max_length=max_length,
+        device="cpu",
+        amp_dtype=torch.bfloat16 if bf16 else None,
+        progress=False,
+        verbose=False,
+    )
+    row = {
+        "model": str(model),
+        "split": split,
+        "metrics": result["metrics"],
+        "settings": result["settings"],
+        "seconds": time.perf_counter() - t,
+    }
+    write_json(row, path)
+    return row
 
 
 def write_json(obj: Any, path: Path) -> None:

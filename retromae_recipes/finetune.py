@@ -53,6 +53,7 @@ from retromae_ds.finetune import (
 from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
 from retromae_recipes.common import (
+    evaluate_cached,
     minilm_dir,
     pyplot,
     run_finetune,
@@ -279,37 +280,9 @@ class Recipe:
         """nDCG@10, MRR@10, Recall@100 of ``model`` (its own pooling; its own length unless
         ``max_length``), cached as ``out/eval/NAME.json``."""
         path = self.out / "eval" / f"{name}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-        import torch
-
-        from retromae_ds.eval.run import evaluate_beir
-        from retromae_ds.retrieval.beir import load_beir
-
-        key = (str(beir), split)
-        if key not in self._loaded:
-            self._loaded[key] = load_beir(beir, split)
-        t = time.perf_counter()
-        result = evaluate_beir(
-            model,
-            self._loaded[key],
-            split,
-            measures=MEASURES,
-            max_length=max_length,
-            device="cpu",
-            amp_dtype=torch.bfloat16 if self.cfg.eval_bf16 else None,
-            progress=False,
-            verbose=False,
+        return evaluate_cached(
+            path, model, beir, split, self._loaded, bf16=self.cfg.eval_bf16, max_length=max_length
         )
-        row = {
-            "model": str(model),
-            "split": split,
-            "metrics": result["metrics"],
-            "settings": result["settings"],
-            "seconds": time.perf_counter() - t,
-        }
-        write_json(row, path)
-        return row
 
     def bm25(self, beir: str | Path, split: str, name: str) -> dict[str, Any]:
         path = self.out / "eval" / f"{name}.json"
