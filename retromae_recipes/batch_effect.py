@@ -59,9 +59,7 @@ from retromae_recipes.common import (
     save_figure,
     write_json,
 )
-from retromae_recipes.report_rows import compare
-
-MEASURES = ("ndcg@10", "mrr@10", "recall@100")
+from retromae_recipes.report_rows import MEASURES, compare
 
 
 @dataclass(kw_only=True)

@@ -60,10 +60,9 @@ from retromae_recipes.common import (
     save_figure,
     write_json,
 )
-from retromae_recipes.report_rows import compare
+from retromae_recipes.report_rows import MEASURES, compare
 
 ARMS = ("bm25", "ance")
-MEASURES = ("ndcg@10", "mrr@10", "recall@100")
 
 
 @dataclass(kw_only=True)
