@@ -61,6 +61,7 @@ from retromae_ds.data.sampler import ResumableDistributedSampler
 from retromae_ds.finetuning import data as ance_data
 from retromae_ds.finetuning import handoff, pairs_data
 from retromae_ds.finetuning.batches import BatchBuilder, batch_stream
+from retromae_ds.finetuning.distill import DistillConfig
 from retromae_ds.finetuning.feed import NegativesConfig, NegativesFeed
 from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
 from retromae_ds.finetuning.model import DualEncoder, load_tower, save_encoders
@@ -68,7 +69,7 @@ from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import check_pooling, get_pooling
 from retromae_ds.refresher.bm25 import publish_bm25
 from retromae_ds.refresher.config import RefreshConfig, with_absolute_paths
-from retromae_ds.refresher.given import publish_given
+from retromae_ds.refresher.given import publish_given, publish_scored
 from retromae_ds.training.config import OptimConfig, RunConfig
 from retromae_ds.training.loop import Hooks, Trainer, job_main, run_guarded, run_job, steps_for
 
@@ -171,6 +172,10 @@ class FinetuneConfig(RunConfig):
     ``query_chunk`` queries and ``passage_chunk`` passages, without a graph, then re-embed each
     chunk with its cached loss gradient; the gradients equal one pass over the whole batch,
     at the memory of a chunk. 0 and 0: off."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """Distillation of a teacher's scores (``retromae_ds.finetuning.distill``): the loss, the
+    temperatures and weights, the offline scores. The run's first negatives version is then
+    the teacher-scored passages of each query, with their scores."""
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     """The refresher's settings, written to RUN/refresh_config.json for any refresher of this
     run (a local one, a Slurm step), and ``refresh.mining``, with which the trainer mines the
@@ -220,6 +225,27 @@ class FinetuneConfig(RunConfig):
             )
         if self.refresh.parent_pid:
             raise ValueError("refresh.parent_pid is the trainer's to set: leave it out")
+        self._check_distill()
+
+    def _check_distill(self) -> None:
+        d = self.distill
+        if not d.enabled:
+            return
+        if not (d.scores or self.data.pairs):
+            raise ValueError(
+                f"distill.loss {d.loss} needs teacher scores: --distill.scores FILE (an "
+                "anchor's score file naming the training ids), or --data.pairs with a file "
+                "that scores its passages (FlagEmbedding pos_scores/neg_scores, an ST scores "
+                "column, Tevatron's score)"
+            )
+        if self.refresher != "none":
+            raise ValueError(
+                f"distill.loss {d.loss} with --refresher {self.refresher}: a refresher's "
+                "versions carry no teacher scores (online scoring is not built yet); use "
+                "--refresher none"
+            )
+        if self.negatives.n_hard < 1:
+            raise ValueError("distillation needs negatives.n_hard >= 1 scored negatives a query")
 
 
 def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
@@ -292,6 +318,8 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
         f"(pooling from {spec.source}), temperature {temperature:g}"
     )
+    if model.distill is not None:
+        trainer.note(f"finetune: distillation {json.dumps(model.distill.as_dict())}")
     if start_problem is not None:
         trainer.note(f"finetune: {start_problem}")
     # what a user of the saved encoder should read texts up to: the init's own length when it
@@ -325,7 +353,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             if restored is None:
                 trainer.save(0, hooks)
             feed.wait_for_first_mined(stop)
-        build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed)
+        build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed, teacher=cfg.distill.enabled)
         last = trainer.fit(batch_stream(sampler, batch_size, build, feed.negatives), hooks)
         if dist.rank == 0 and trainer.step >= max_steps:
             atomic_write_text(layout.finished, json.dumps({"step": trainer.step}))
@@ -386,7 +414,9 @@ def _prepare_data(
         )
     eng.barrier()
     ts = ance_data.load(prepared)
-    if dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
+    if dist.rank == 0 and cfg.distill.enabled:
+        _publish_teacher_scores(cfg, layout, ts, beir)
+    elif dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
         # --progress false silences bm25s's bars too
         bm25_cfg = replace(cfg.refresh, progress=cfg.refresh.progress and cfg.progress)
         if cfg.data.pairs:
@@ -401,6 +431,42 @@ def _prepare_data(
             print(f"finetune: BM25 negatives published as v{manifest['version']}", file=sys.stderr)
     eng.barrier()
     return ts
+
+
+def _publish_teacher_scores(
+    cfg: FinetuneConfig, layout: RunLayout, ts: ance_data.TrainingSet, beir: str
+) -> None:
+    """Distillation's first version: each query's teacher-scored passages, from
+    ``distill.scores`` or the pairs file's own scores; on resume, the version published is
+    kept while its source is unchanged (an edited scores file is refused, naming it)."""
+    source = cfg.distill.scores or cfg.data.pairs
+    digest = pairs_data.source_fingerprint(source)
+    if (layout.negatives / handoff.POINTER).exists():
+        first = handoff.load_version(layout.negatives, handoff.published_versions(layout.negatives)[0])
+        if first.manifest.get("teacher_sha256") != digest:
+            raise ValueError(
+                f"{source}: the teacher scores changed since this run published them "
+                f"({layout.negatives}): resume with the file it started with, or start a new run"
+            )
+        return
+    if cfg.distill.scores:
+        from retromae_ds.data.teacher_scores import read_teacher_scores
+
+        scores = read_teacher_scores(
+            cfg.distill.scores, format=cfg.distill.scores_format,
+            query_ids=set(ts.query_ids), corpus_ids=set(ts.passage_ids.to_pylist()),
+        )  # fmt: skip
+        scored, what = scores.scores, scores.format
+    else:
+        scored, what = pairs_data.staged_scores(beir), cfg.data.pairs_format
+    meta = {"source": "teacher_scores", "teacher": str(source), "teacher_format": what,
+            "teacher_sha256": digest}  # fmt: skip
+    manifest = publish_scored(cfg.refresh, ts, layout.negatives, scored, str(source), meta)
+    print(
+        f"finetune: {source}'s teacher scores published as v{manifest['version']} "
+        f"({manifest['num_negatives']} scored negatives)",
+        file=sys.stderr,
+    )
 
 
 def _build_model(
@@ -426,6 +492,7 @@ def _build_model(
         temperature=temperature,
         bow_topk=spec.bow_topk,
         special_ids=special.all,
+        distill=cfg.distill.resolved(temperature) if cfg.distill.enabled else None,
     )
 
 

@@ -46,6 +46,16 @@ NEGATIVES_SCHEMA = pa.schema(
     ],
     metadata={b"retromae_ds.negatives_schema_version": str(SCHEMA_VERSION).encode()},
 )
+SCORED_SCHEMA = pa.schema(
+    [
+        *NEGATIVES_SCHEMA,
+        pa.field("scores", pa.list_(pa.float32()), nullable=False),
+        pa.field("positive_scores", pa.list_(pa.float32()), nullable=False),
+    ],
+    metadata=NEGATIVES_SCHEMA.metadata,
+)
+"""A version with teacher scores (distillation): ``scores`` aligned with ``negatives``,
+``positive_scores`` with the training set's positives of the query (``TrainingSet.positives``)."""
 _VERSION_FILE = re.compile(r"^v(\d+)\.json$")
 
 
@@ -106,6 +116,9 @@ class Negatives:
     manifest: dict[str, Any]
     offsets: np.ndarray  # int64 [Q+1]
     values: np.ndarray  # int32 [total]
+    scores: np.ndarray | None = None  # float32 [total]: teacher scores of ``values``
+    positive_offsets: np.ndarray | None = None  # int64 [Q+1]
+    positive_scores: np.ndarray | None = None  # float32: teacher scores of each positive
 
     @property
     def num_queries(self) -> int:
@@ -113,6 +126,21 @@ class Negatives:
 
     def of(self, query: int) -> np.ndarray:
         return self.values[self.offsets[query] : self.offsets[query + 1]]
+
+    @property
+    def scored(self) -> bool:
+        """Whether the version carries teacher scores (``scores_of``, ``positive_scores_of``)."""
+        return self.scores is not None
+
+    def scores_of(self, query: int) -> np.ndarray:
+        """The teacher scores of ``of(query)``, in its order."""
+        assert self.scores is not None, f"negatives v{self.version} carries no teacher scores"
+        return self.scores[self.offsets[query] : self.offsets[query + 1]]
+
+    def positive_scores_of(self, query: int) -> np.ndarray:
+        """The teacher scores of the query's positives, in the training set's order."""
+        assert self.positive_scores is not None and self.positive_offsets is not None
+        return self.positive_scores[self.positive_offsets[query] : self.positive_offsets[query + 1]]
 
 
 def published_versions(root: Path) -> list[int]:
@@ -136,26 +164,46 @@ def next_version(root: Path) -> int:
     return last + 1
 
 
-def _write_arrow(path: Path, negatives: list[np.ndarray]) -> None:
-    lengths = np.fromiter((len(n) for n in negatives), dtype=np.int64, count=len(negatives))
-    offsets = np.zeros(len(negatives) + 1, dtype=np.int32)
+def _list_column(rows: list[np.ndarray], dtype) -> pa.ListArray:
+    lengths = np.fromiter((len(n) for n in rows), dtype=np.int64, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = (
-        np.concatenate([np.asarray(n, dtype=np.int32) for n in negatives])
-        if negatives
-        else np.zeros(0, np.int32)
+        np.concatenate([np.asarray(n, dtype=dtype) for n in rows]) if rows else np.zeros(0, dtype)
     )
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
-    batch = pa.RecordBatch.from_arrays(
-        [pa.array(np.arange(len(negatives), dtype=np.int32)), column], schema=NEGATIVES_SCHEMA
-    )
-    with atomic_open(path, "wb") as f, pa.ipc.new_file(f, NEGATIVES_SCHEMA) as writer:
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _write_arrow(
+    path: Path, negatives: list[np.ndarray], scores: Scores | None = None
+) -> None:
+    columns = [pa.array(np.arange(len(negatives), dtype=np.int32)),
+               _list_column(negatives, np.int32)]  # fmt: skip
+    schema = NEGATIVES_SCHEMA
+    if scores is not None:
+        for q, (negs, got) in enumerate(zip(negatives, scores.negatives, strict=True)):
+            if len(negs) != len(got):
+                raise ValueError(f"query {q}: {len(got)} teacher scores for {len(negs)} negatives")
+        columns += [_list_column(scores.negatives, np.float32),
+                    _list_column(scores.positives, np.float32)]  # fmt: skip
+        schema = SCORED_SCHEMA
+    batch = pa.RecordBatch.from_arrays(columns, schema=schema)
+    with atomic_open(path, "wb") as f, pa.ipc.new_file(f, schema) as writer:
         writer.write_batch(batch)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Teacher scores of a version (``publish(..., scores=)``): per query, one per negative
+    (in its order) and one per training positive (``TrainingSet.positives`` order)."""
+
+    negatives: list[np.ndarray]
+    positives: list[np.ndarray]
 
 
 RESERVED = frozenset(
     ("schema_version", "version", "step", "file", "sha256", "bytes", "num_queries",
-     "num_negatives", "created")
+     "num_negatives", "created", "teacher_scores")
 )  # fmt: skip
 """The manifest keys ``publish`` writes itself; a ``meta`` naming one is refused."""
 
@@ -168,10 +216,12 @@ def publish(
     step: int,
     meta: dict[str, Any] | None = None,
     keep_last: int = 0,
+    scores: Scores | None = None,
 ) -> dict[str, Any]:
     """Write version ``version`` (data file, manifest) and point ``CURRENT`` at it.
 
-    ``negatives[q]`` are query q's negative passage indices. ``keep_last`` > 0 deletes
+    ``negatives[q]`` are query q's negative passage indices; ``scores``, when given, their
+    teacher scores and those of the query's positives (``SCORED_SCHEMA``). ``keep_last`` > 0 deletes
     versions older than the newest ``keep_last`` (never the one being published). Returns the
     pointer written.
     """
@@ -186,7 +236,7 @@ def publish(
         stale.unlink(missing_ok=True)
     path, mpath = data_file(root, version), manifest_file(root, version)
     try:
-        _write_arrow(path, negatives)
+        _write_arrow(path, negatives, scores)
         fsync_dir(root)
     except OSError as exc:
         path.unlink(missing_ok=True)
@@ -202,6 +252,7 @@ def publish(
         "num_queries": len(negatives),
         "num_negatives": int(sum(len(n) for n in negatives)),
         "created": time.time(),
+        "teacher_scores": scores is not None,
         **(meta or {}),
     }
     pointer = {
@@ -277,19 +328,29 @@ def load_version(root: Path, version: int, *, sha256: str | None = None) -> Nega
     reader = pa.ipc.open_file(pa.BufferReader(data))
     meta = reader.schema.metadata or {}
     got = meta.get(b"retromae_ds.negatives_schema_version", b"?").decode()
-    if got != str(SCHEMA_VERSION) or not reader.schema.equals(
-        NEGATIVES_SCHEMA, check_metadata=False
+    scored = reader.schema.equals(SCORED_SCHEMA, check_metadata=False)
+    if got != str(SCHEMA_VERSION) or not (
+        scored or reader.schema.equals(NEGATIVES_SCHEMA, check_metadata=False)
     ):
         raise ValueError(f"{path}: not a negatives file of schema version {SCHEMA_VERSION}")
     table = reader.read_all().combine_chunks()
     if table.num_rows != manifest["num_queries"]:
         raise ValueError(f"{path}: {table.num_rows} rows, manifest says {manifest['num_queries']}")
-    column = table.column("negatives").chunk(0) if table.num_rows else None
-    if column is None:
-        offsets, values = np.zeros(1, np.int64), np.zeros(0, np.int32)
-    else:
-        offsets = column.offsets.to_numpy().astype(np.int64)
-        values = column.values.to_numpy().astype(np.int32)
-        values = values[offsets[0] : offsets[-1]]
-        offsets = offsets - offsets[0]
-    return Negatives(version, int(manifest["step"]), manifest, offsets, values)
+    offsets, values = _read_list(table, "negatives", np.int32)
+    extra: dict[str, np.ndarray] = {}
+    if scored:
+        _, extra["scores"] = _read_list(table, "scores", np.float32)
+        extra["positive_offsets"], extra["positive_scores"] = _read_list(
+            table, "positive_scores", np.float32
+        )
+    return Negatives(version, int(manifest["step"]), manifest, offsets, values, **extra)
+
+
+def _read_list(table: pa.Table, name: str, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64 [rows + 1], values) of the list column ``name``."""
+    if not table.num_rows:
+        return np.zeros(1, np.int64), np.zeros(0, dtype)
+    column = table.column(name).chunk(0)
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy().astype(dtype)[offsets[0] : offsets[-1]]
+    return offsets - offsets[0], values

@@ -15,6 +15,7 @@ tower's head (``retromae_ds.modeling.bow``): the towers are then masked-LM model
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,12 @@ import torch
 from torch import nn
 
 from retromae_ds.components.layout import ENCODER, QUERY_ENCODER
+from retromae_ds.finetuning.distill import (
+    DistillSettings,
+    check_teacher_targets,
+    distill_loss,
+    group_scores,
+)
 from retromae_ds.finetuning.loss import contrastive_loss, contrastive_loss_grads
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import DEFAULT_POOLING, check_pooling, get_pooling
@@ -65,8 +72,11 @@ class DualEncoder(nn.Module):
         temperature: float = 1.0,
         bow_topk: int = sbert.DEFAULT_BOW_TOPK,
         special_ids: tuple[int, ...] = (),
+        distill: DistillSettings | None = None,
     ) -> None:
         super().__init__()
+        self.distill = distill  # a teacher's scores distilled beside (or instead of) the loss
+        self._checked_teacher = False
         pooling = check_pooling(pooling, "pooling", auto=False)
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -123,20 +133,56 @@ class DualEncoder(nn.Module):
     def loss(
         self, q_BD: torch.Tensor, p_PD: torch.Tensor, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(contrastive loss, accuracy) of this rank's query and passage embeddings."""
-        return contrastive_loss(
-            q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature
-        )
+        """(loss, accuracy) of this rank's query and passage embeddings: the contrastive loss,
+        or with ``distill`` its weighted sum with the distillation term."""
+        s = self.distill
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (s is None or s.ce_weight > 0)):
+            loss, accuracy = contrastive_loss(
+                q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature
+            )
+        if s is None:
+            return loss, accuracy
+        kd = distill_loss(group_scores(q_BD, p_PD), self._teacher(batch, q_BD.device), s)
+        total = s.weight * kd + (s.ce_weight * loss if s.ce_weight > 0 else 0.0)
+        return total, accuracy
 
     def loss_grads(
         self, q_BD: torch.Tensor, p_PD: torch.Tensor, batch: dict[str, torch.Tensor], chunk: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, accuracy, d loss / d ``q_BD``, d loss / d ``p_PD``) of detached embeddings,
-        ``chunk`` queries at a time (GradCache's second pass)."""
-        return contrastive_loss_grads(
+        ``chunk`` queries at a time (GradCache's second pass); the distillation term, local
+        to each query's own group, in one piece."""
+        loss, accuracy, grad_q, grad_p = contrastive_loss_grads(
             q_BD, p_PD, batch["p_index"], batch["positives"], temperature=self.temperature,
             chunk=chunk,
         )  # fmt: skip
+        s = self.distill
+        if s is None:
+            return loss, accuracy, grad_q, grad_p
+        q = q_BD.detach().requires_grad_()
+        p = p_PD.detach().requires_grad_()
+        with torch.enable_grad():
+            kd = s.weight * distill_loss(group_scores(q, p), self._teacher(batch, q.device), s)
+            kd_q, kd_p = torch.autograd.grad(kd, [q, p])
+        return (
+            kd.detach() + s.ce_weight * loss,
+            accuracy,
+            (s.ce_weight * grad_q + kd_q).to(q_BD.dtype),
+            (s.ce_weight * grad_p + kd_p).to(p_PD.dtype),
+        )
+
+    def _teacher(self, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The batch's teacher scores, checked once (sentence-transformers'
+        ``check_teacher_targets``: NaN is an error, underflowing probabilities a warning)."""
+        if "teacher" not in batch:
+            raise ValueError("distillation: the batch holds no teacher scores")
+        teacher = batch["teacher"].to(device)
+        if not self._checked_teacher and self.distill.loss != "margin_mse":
+            self._checked_teacher = True
+            problem = check_teacher_targets(teacher, self.distill.teacher_temperature)
+            if problem is not None:
+                warnings.warn(problem, stacklevel=2)
+        return teacher
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -144,6 +190,7 @@ class DualEncoder(nn.Module):
             "normalize": self.normalize,
             "temperature": self.temperature,
             "shared": self.query_encoder is None,
+            **({"distill": self.distill.as_dict()} if self.distill is not None else {}),
             **({"bow_topk": self.bow_topk} if self.head else {}),
         }
 

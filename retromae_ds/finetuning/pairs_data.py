@@ -230,3 +230,16 @@ def staged_record(staged: str | Path) -> dict[str, Any] | None:
     """``STAGED.json`` of a staged folder (None for a plain BEIR folder)."""
     path = Path(staged) / STAGED
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def staged_scores(staged: str | Path) -> dict[str, dict[str, float]]:
+    """Per query id, the teacher scores the staged file gave (``{passage id: score}``, its
+    positives' and negatives'; a passage given without a score is left out), for distillation."""
+    scored: dict[str, dict[str, float]] = {}
+    for record in _records(Path(staged) / NEGATIVES):
+        given = {p: s for p, s in (record.get("positive_scores") or {}).items() if s is not None}
+        negs = zip(record["negatives"], record.get("negative_scores") or [], strict=False)
+        given.update({p: s for p, s in negs if s is not None})
+        if given:
+            scored[record["query_id"]] = given
+    return scored

@@ -79,3 +79,69 @@ def publish_given(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict
         keep_last=cfg.keep_last,
     )
     return json.loads(handoff.manifest_file(Path(root), version).read_text())
+
+
+def publish_scored(
+    cfg: RefreshConfig,
+    ts: TrainingSet,
+    root: str | Path,
+    scored: dict[str, dict[str, float]],
+    where: str,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """Version 0 (or the next free one) under ``root`` for distillation: per training query,
+    its negatives are the passages ``scored[query id]`` scores that are not its positives
+    (best teacher score first), with their teacher scores, and its positives' scores; returns
+    its manifest. ``where`` (the scores' file) names the source in the one-line errors: a
+    training query without scores, a positive without one, a query left with no scored
+    negative, a score for a passage outside the training corpus, a score that is not finite."""
+    t0 = time.perf_counter()
+    passage_ids = ts.passage_ids.to_pylist()
+    row = {pid: i for i, pid in enumerate(passage_ids)}
+    negatives, neg_scores, pos_scores = [], [], []
+    lacking = [qid for qid in ts.query_ids if not scored.get(qid)]
+    if lacking:
+        raise ValueError(
+            f"{where}: {len(lacking)} of {ts.num_queries} training queries have no teacher "
+            f"scores (first: {lacking[0]!r}); every query distils, so each needs its positive's "
+            "and its negatives' scores"
+        )
+    for q, qid in enumerate(ts.query_ids):
+        given = scored[qid]
+        for did, score in given.items():
+            if did not in row:
+                raise ValueError(f"{where}: query {qid!r}: passage {did!r} is not in the corpus")
+            if not np.isfinite(score):
+                raise ValueError(f"{where}: query {qid!r}, passage {did!r}: score {score}")
+        positives = [passage_ids[i] for i in ts.positives[q]]
+        missing = [did for did in positives if did not in given]
+        if missing:
+            raise ValueError(
+                f"{where}: query {qid!r}: its positive {missing[0]!r} has no teacher score"
+            )
+        skip = set(positives)
+        ranked = sorted(((-s, row[d]) for d, s in given.items() if d not in skip))
+        if not ranked:
+            raise ValueError(
+                f"{where}: query {qid!r} has teacher scores for its positives only: no "
+                "negative to distil against"
+            )
+        negatives.append(np.asarray([i for _, i in ranked], dtype=np.int32))
+        neg_scores.append(np.asarray([-s for s, _ in ranked], dtype=np.float32))
+        pos_scores.append(np.asarray([given[d] for d in positives], dtype=np.float32))
+    version = handoff.next_version(Path(root))
+    meta = {
+        **meta,
+        "data": ts.fingerprint(),
+        "timings": {"given_s": round(time.perf_counter() - t0, 3)},
+    }
+    handoff.publish(
+        Path(root),
+        version,
+        negatives,
+        step=0,
+        meta=meta,
+        keep_last=cfg.keep_last,
+        scores=handoff.Scores(neg_scores, pos_scores),
+    )
+    return json.loads(handoff.manifest_file(Path(root), version).read_text())
