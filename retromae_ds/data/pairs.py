@@ -28,8 +28,9 @@ part of equality.
   dropped, first seen kept). ``score`` alone (STS-style pairs) is refused: it does not say
   which text is positive.
 - ``tevatron``: jsonl ``{"query_id", "query", "positive_passages": [{"docid", "title",
-  "text"}], "negative_passages": [...]}``; a passage with a ``docid`` and no text is looked up
-  in the corpus. Tevatron's id form ``{"query_id", "query_text"?, "positive_document_ids",
+  "text", "score"?}], "negative_passages": [...]}`` (``score``: the teacher score Tevatron's
+  ``DistilTrainDataset`` reads); a passage with a ``docid`` and no text is looked up in the
+  corpus. Tevatron's id form ``{"query_id", "query_text"?, "positive_document_ids",
   "negative_document_ids"}`` is read too.
 - ``mined`` (``retromae-ds mine``'s output), jsonl, one line per query::
 

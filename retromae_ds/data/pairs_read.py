@@ -104,12 +104,13 @@ def _tevatron_passage(value: Any, name: str, where: str, corpus: Corpus | None) 
     text, title = value.get("text"), value.get("title")
     if title is not None and not isinstance(title, str):
         raise InputError(f"{where}: field {name + '.title'!r} is {kind_of(title)}, not a string")
+    score = number_field(value.get("score"), f"{name}.score", where)  # a distillation score
     if text is None and doc_id is not None:
-        return _by_id(doc_id, f"{name}.docid", where, corpus)
+        return _by_id(doc_id, f"{name}.docid", where, corpus, score)
     if text is None:
         raise InputError(f"{where}: missing field {name + '.text'!r} (and no docid to look up)")
     string_field(text, f"{name}.text", where)
-    return Passage(text=text, id=doc_id, title=title or None)
+    return Passage(text=text, id=doc_id, title=title or None, score=score)
 
 
 def _tevatron_example(record: dict, where: str, corpus: Corpus | None) -> Example:
