@@ -148,3 +148,59 @@ def test_grad_cache_gradients_include_the_distillation_term(tmp_path, tokenizer_
     assert got.item() == pytest.approx(loss_value.item(), rel=1e-5)
     torch.testing.assert_close(grad_q, want_q, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(grad_p, want_p, rtol=1e-4, atol=1e-6)
+
+
+def _retromae_scores(beir: Path, path: Path, *, skip_query: str | None = None) -> dict:
+    """RetroMAE-format teacher scores (``qid did score``) for the synthetic set's training
+    queries: their positives d{3q}, d{3q+1} and the passages d{3q+2}, d{3q+5}, d{3q+7}."""
+    from retromae_ds.data.teacher_scores import write_teacher_scores
+
+    docs = {json.loads(x)["_id"]: json.loads(x)["text"]
+            for x in (beir / "corpus.jsonl").read_text().splitlines()}  # fmt: skip
+    queries = {json.loads(x)["_id"]: json.loads(x)["text"]
+               for x in (beir / "queries.jsonl").read_text().splitlines()}  # fmt: skip
+    scores = {}
+    for qid, text in queries.items():
+        q = int(qid[1:])
+        if not text or qid == skip_query or not (docs[f"d{3 * q}"] or docs[f"d{3 * q + 1}"]):
+            continue
+        ids = [f"d{3 * q + k}" for k in (0, 1, 2, 5, 7) if docs.get(f"d{3 * q + k}")]
+        scores[qid] = {d: float(10 - i) + q / 100 for i, d in enumerate(ids)}
+    write_teacher_scores(path, scores, format="retromae")
+    return scores
+
+
+@pytest.mark.slow
+def test_a_scores_file_beside_a_beir_folder_is_the_first_version(tmp_path, tokenizer_dir):
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    teacher = tmp_path / "teacher.tsv"
+    scores = _retromae_scores(beir, teacher)
+    common = [
+        "--data.beir", str(beir), "--model.init", str(encoder), "--micro_batch_size", "4",
+        "--data.q_max_len", "16", "--data.p_max_len", "32", "--negatives.n_hard", "1",
+        "--max_steps", "2", "--log_every", "1", "--distill.loss", "kl",
+        "--distill.scores", str(teacher),
+        "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
+    ]  # fmt: skip
+    run = tmp_path / "run"
+    finetune(run, *common)
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    ts = ance_data.load(run / "data")
+    neg = handoff.load_version(run / "negatives", 0)
+    assert neg.manifest["teacher_format"] == "retromae"
+    pid = ts.passage_ids.to_pylist()
+    for q, qid in enumerate(ts.query_ids):
+        positives = {pid[i] for i in ts.positives[q]}
+        want = sorted((d for d in scores[qid] if d not in positives), key=lambda d: -scores[qid][d])
+        assert [pid[i] for i in neg.of(q)] == want
+        assert neg.scores_of(q).tolist() == pytest.approx([scores[qid][d] for d in want])
+        assert neg.positive_scores_of(q).tolist() == pytest.approx(
+            [scores[qid][pid[i]] for i in ts.positives[q]]
+        )
+    # a training query the file does not score: refused in one line naming the file
+    _retromae_scores(beir, teacher, skip_query=ts.query_ids[3])
+    result = finetune(tmp_path / "other", *common, check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "teacher.tsv" in last and "have no teacher scores" in last, last
