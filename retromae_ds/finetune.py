@@ -58,8 +58,8 @@ from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.pairs import READ_FORMATS
 from retromae_ds.data.sampler import ResumableDistributedSampler
-from retromae_ds.finetuning import data as ance_data
 from retromae_ds.finetuning import cross_encoder, handoff, pairs_data
+from retromae_ds.finetuning import data as ance_data
 from retromae_ds.finetuning.batches import BatchBuilder, batch_stream
 from retromae_ds.finetuning.feed import NegativesConfig, NegativesFeed
 from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
@@ -307,7 +307,7 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         metrics=("loss", "accuracy"),
         counts=pieces.counts,
         consumed=lambda batch: batch_size,
-        marker=lambda: {"objective": pieces.objective, **feed.marker()},
+        marker=lambda: {**pieces.marker, **feed.marker()},
         log_fields=lambda: feed.log_fields(trainer.step),
         after_step=feed.after_step,
         forward_backward=_grad_cache(cfg, model, trainer),
@@ -399,9 +399,7 @@ def _prepare_data(
     return ts
 
 
-def _dual_encoder(
-    cfg: FinetuneConfig, init_dir: Path, tokenizer: dict[str, Any]
-) -> ModelPieces:
+def _dual_encoder(cfg: FinetuneConfig, init_dir: Path, tokenizer: dict[str, Any]) -> ModelPieces:
     """The dual encoder's pieces (``finetuning.kind``): its model, its folders at each
     checkpoint (``save_encoders``), and what a step counts."""
     spec, temperature = cfg.model.resolve(init_dir)
@@ -423,7 +421,7 @@ def _dual_encoder(
             "slots": batch["q_mask"].numel() + batch["p_mask"].numel(),
             "queries": len(batch["q_ids"]),
         },
-        objective="contrastive",
+        marker={"objective": "contrastive"},
         note=(
             f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
             f"(pooling from {spec.source}), temperature {temperature:g}"

@@ -151,7 +151,9 @@ def build(cfg: Any, init_dir: Path, tokenizer_fingerprint: dict[str, Any]) -> Mo
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     group = 1 + cfg.negatives.n_hard
-    ce = CrossEncoder(model, group=group, token_types="token_type_ids" in tokenizer.model_input_names)
+    ce = CrossEncoder(
+        model, group=group, token_types="token_type_ids" in tokenizer.model_input_names
+    )
     record = {
         "kind": "cross_encoder",
         "loss": "listwise cross-entropy, positive first",
@@ -163,13 +165,15 @@ def build(cfg: Any, init_dir: Path, tokenizer_fingerprint: dict[str, Any]) -> Mo
     return ModelPieces(
         model=ce,
         batches=lambda builder: PairBatches(builder, group, special.pad),
-        write_models=lambda state, staging: save_cross_encoder(ce, state, staging, tokenizer, record),
+        write_models=lambda state, staging: save_cross_encoder(
+            ce, state, staging, tokenizer, record
+        ),
         counts=lambda batch: {
             "tokens": batch["mask"].sum(),
             "slots": batch["mask"].numel(),
             "queries": len(batch["ids"]) // group,
         },
-        objective="cross_encoder_listwise",
+        marker={"objective": "contrastive", "model_kind": "cross_encoder"},
         note=(
             f"finetune: cross-encoder ({type(model).__name__}, one label), listwise "
             f"cross-entropy over 1 positive + {group - 1} negatives, pairs up to "

@@ -33,8 +33,9 @@ class ModelPieces:
     """The consolidated state dict -> Hugging Face folders in a checkpoint's staging folder."""
     counts: Callable[[Batch], dict[str, torch.Tensor | int]]
     """Per micro-batch counts (``training.loop.Hooks.counts``)."""
-    objective: str
-    """Named in each checkpoint's completion record."""
+    marker: dict[str, Any]
+    """What each checkpoint's completion record says of the model (``objective``:
+    ``contrastive`` for every fine-tuned kind, which tells them from pre-training runs)."""
     note: str
     """One log line: the model's settings as resolved."""
 

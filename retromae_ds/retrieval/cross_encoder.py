@@ -94,7 +94,9 @@ def score_pairs(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    order = np.argsort([-(len(q) + len(p)) for q, p in zip(query_texts, passage_texts)], kind="stable")
+    order = np.argsort(
+        [-(len(q) + len(p)) for q, p in zip(query_texts, passage_texts, strict=True)], kind="stable"
+    )
     out = np.zeros(len(order), dtype=np.float32)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
