@@ -30,6 +30,10 @@ folder and documents to the root, so ``SentenceTransformer(OUT).encode_query`` a
 scores the run. One line says where each tower is (and, when the installed
 sentence-transformers has no Router, to load the two folders as two models).
 
+A cross-encoder's checkpoint (``finetune --model.kind cross_encoder``) is exported as it was
+saved, a folder sentence-transformers' ``CrossEncoder`` loads (``finetuning.cross_encoder``);
+``--pooling``, ``--normalize`` and ``--bow_topk`` are refused for it.
+
 OUT also gets ``export.json`` (the source checkpoint and its step), which marks it as an
 export: only such a folder, an empty one or a missing path is replaced; any other non-empty
 folder needs ``overwrite=True`` (``--overwrite``); a folder holding a run or a checkpoint
@@ -75,6 +79,7 @@ from retromae_ds.hf.pooling import Choices, check_pooling, get_pooling
 from retromae_ds.hf.util import load_tokenizer_checked, quiet_transformers
 from retromae_ds.modeling.load import HEAD_PREFIXES, load_pretrained, load_with_head
 from retromae_ds.modeling.positions import usable_positions
+from retromae_ds.retrieval.cross_encoder import is_cross_encoder
 
 EXPORT_MARKER = "export.json"
 """Written into every export; a folder carrying it may be replaced by a new export."""
@@ -243,7 +248,7 @@ def _note_newer_incomplete(resolved: Path) -> None:
 def _export_once(
     resolved: Path, out: Path, pooling: str, normalize: bool | None, bow_topk: int | None
 ) -> bool:
-    """Export ``resolved``'s encoder to ``out``; False (nothing written) when the checkpoint
+    """Export ``resolved``'s encoder (or cross-encoder: copied) to ``out``; False (nothing written) when the checkpoint
     was removed, even in part, before everything was read from it."""
     source = resolved / ENCODER
     query_source = resolved / QUERY_ENCODER if (resolved / QUERY_ENCODER).is_dir() else None
@@ -253,10 +258,20 @@ def _export_once(
             if not still_there(resolved):
                 return False
             raise FileNotFoundError(f"{source}: the checkpoint holds no encoder folder")
-        spec = sbert.resolve(source, pooling, normalize, bow_topk)
+        cross = is_cross_encoder(source)
+        if cross and (pooling, normalize, bow_topk) != ("auto", None, None):
+            raise ValueError(
+                f"{resolved}: a cross-encoder (finetune --model.kind cross_encoder) has no "
+                "pooling, normalisation or bag-of-words vector: leave --pooling, --normalize "
+                "and --bow_topk out"
+            )
+        spec = None if cross else sbert.resolve(source, pooling, normalize, bow_topk)
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = _fresh_sibling(out, ".partial")
-        _write_export(staging, source, resolved, spec, query_source)
+        if spec is None:
+            _write_cross_encoder(staging, source, resolved)
+        else:
+            _write_export(staging, source, resolved, spec, query_source)
         # files are only ever deleted: all still there now means every read saw a whole file
         if not still_there(resolved):
             shutil.rmtree(staging, ignore_errors=True)
@@ -352,6 +367,17 @@ def _write_export(
         "query_encoder": None if query_source is None else QUERY_ENCODER,
         **({"bow_topk": spec.bow_topk} if with_head else {}),
     }
+    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _write_cross_encoder(staging: Path, source: Path, resolved: Path) -> None:
+    """A cross-encoder's folder is written loadable by sentence-transformers'
+    ``CrossEncoder`` already (``finetuning.cross_encoder``): its files, and the marker."""
+    for path in source.iterdir():
+        if path.is_file():
+            shutil.copy2(path, staging / path.name)
+    marker = {"source": str(resolved.resolve()), "step": _checkpoint_step(resolved)}
+    marker["kind"] = "cross_encoder"
     (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 

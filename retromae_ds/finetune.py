@@ -58,12 +58,13 @@ from retromae_ds.components.layout import RunLayout
 from retromae_ds.components.signals import StopSignals
 from retromae_ds.data.pairs import READ_FORMATS
 from retromae_ds.data.sampler import ResumableDistributedSampler
+from retromae_ds.finetuning import cross_encoder, handoff, pairs_data
 from retromae_ds.finetuning import data as ance_data
-from retromae_ds.finetuning import handoff, pairs_data
 from retromae_ds.finetuning.batches import BatchBuilder, batch_stream
 from retromae_ds.finetuning.distill import DistillConfig
 from retromae_ds.finetuning.feed import NegativesConfig, NegativesFeed
 from retromae_ds.finetuning.grad_cache import GradCache, GradCacheConfig
+from retromae_ds.finetuning.kind import ModelKind, ModelPieces
 from retromae_ds.finetuning.model import DualEncoder, load_tower, save_encoders
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import check_pooling, get_pooling
@@ -107,6 +108,11 @@ class FinetuneDataConfig:
 class DualModelConfig:
     init: str = ""
     """A local Hugging Face encoder folder, a complete checkpoint, or a run folder."""
+    kind: str = "dual_encoder"
+    """dual_encoder (a retriever: the settings below) or cross_encoder (a reranker reading
+    query and passage together, trained listwise on each query's positive and hard negatives:
+    retromae_ds.finetuning.cross_encoder; pooling, normalize, temperature, shared, GradCache
+    and a refresher are refused)."""
     pooling: str = "auto"
     """auto (the init's own: its sentence-transformers files, else cls) or a registered
     pooling (retromae_ds.hf.pooling, an installed package's included): cls (RetroMAE's
@@ -126,6 +132,10 @@ class DualModelConfig:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ValueError(
+                f"model.kind must be one of {', '.join(MODEL_KINDS)}, not {self.kind!r}"
+            )
         self.pooling = check_pooling(self.pooling, "model.pooling")
         if self.bow_topk is not None and self.bow_topk < 0:
             raise ValueError(f"model.bow_topk must be >= 0, not {self.bow_topk}")
@@ -226,6 +236,7 @@ class FinetuneConfig(RunConfig):
         if self.refresh.parent_pid:
             raise ValueError("refresh.parent_pid is the trainer's to set: leave it out")
         self._check_distill()
+        MODEL_KINDS[self.model.kind].check(self)
 
     def _check_distill(self) -> None:
         d = self.distill
@@ -246,6 +257,11 @@ class FinetuneConfig(RunConfig):
             )
         if self.negatives.n_hard < 1:
             raise ValueError("distillation needs negatives.n_hard >= 1 scored negatives a query")
+        if self.model.kind != "dual_encoder":
+            raise ValueError(
+                f"distill.loss {d.loss}: distillation trains a dual encoder, not model.kind "
+                f"{self.model.kind} (a cross-encoder is the teacher)"
+            )
 
 
 def _write_refresh_config(cfg: FinetuneConfig, layout: RunLayout) -> Path:
@@ -291,11 +307,11 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
     layout = RunLayout(cfg.run_dir)
     torch.manual_seed(cfg.seed)
     init_dir = resolve_encoder(cfg.model.init)
-    spec, temperature = cfg.model.resolve(init_dir)
     # the model first: an init that cannot serve the pooling (no MLM head) or without its own
     # tokenizer is refused before anything is tokenized or mined into the run
     tokenizer = ance_data.tokenizer_fingerprint(init_dir)
-    model = _build_model(cfg, init_dir, spec, temperature, SpecialIds.from_fingerprint(tokenizer))
+    pieces = MODEL_KINDS[cfg.model.kind].build(cfg, init_dir, tokenizer)
+    model = pieces.model
     ts = _prepare_data(cfg, layout, init_dir, tokenizer, dist)
     sampler = ResumableDistributedSampler(ts.num_queries, dist.world_size, dist.rank, seed=cfg.seed)
     batch_size = cfg.micro_batch_size
@@ -314,32 +330,15 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
         f"finetune: {ts.num_queries} queries, {ts.num_passages} passages, "
         f"negatives v{version}" + (f", resumed at step {restored.step}" if restored else "")
     )
-    trainer.note(
-        f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
-        f"(pooling from {spec.source}), temperature {temperature:g}"
-    )
-    if model.distill is not None:
-        trainer.note(f"finetune: distillation {json.dumps(model.distill.as_dict())}")
+    trainer.note(pieces.note)
     if start_problem is not None:
         trainer.note(f"finetune: {start_problem}")
-    # what a user of the saved encoder should read texts up to: the init's own length when it
-    # has one (fine-tuning on shorter passages does not shorten what it reads), else the
-    # passage length trained at
-    lengths = {
-        "q_max_len": cfg.data.q_max_len,
-        "p_max_len": cfg.data.p_max_len,
-        "max_seq_length": max(cfg.data.p_max_len, spec.max_length or 0),
-    }
     hooks = Hooks(
-        write_models=lambda state, staging: save_encoders(model, state, staging, init_dir, lengths),
+        write_models=pieces.write_models,
         metrics=("loss", "accuracy"),
-        counts=lambda batch: {  # tokens stay on the device: no read per step
-            "tokens": batch["q_mask"].sum() + batch["p_mask"].sum(),
-            "slots": batch["q_mask"].numel() + batch["p_mask"].numel(),
-            "queries": batch_size,
-        },
+        counts=pieces.counts,
         consumed=lambda batch: batch_size,
-        marker=lambda: {"objective": "contrastive", **feed.marker()},
+        marker=lambda: {**pieces.marker, **feed.marker()},
         log_fields=lambda: feed.log_fields(trainer.step),
         after_step=feed.after_step,
         forward_backward=_grad_cache(cfg, model, trainer),
@@ -353,7 +352,9 @@ def _finetune(cfg: FinetuneConfig, stop: StopSignals, dist: eng.DistInfo) -> dic
             if restored is None:
                 trainer.save(0, hooks)
             feed.wait_for_first_mined(stop)
-        build = BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed, teacher=cfg.distill.enabled)
+        build = pieces.batches(
+            BatchBuilder(ts, cfg.negatives.n_hard, cfg.seed, teacher=cfg.distill.enabled)
+        )
         last = trainer.fit(batch_stream(sampler, batch_size, build, feed.negatives), hooks)
         if dist.rank == 0 and trainer.step >= max_steps:
             atomic_write_text(layout.finished, json.dumps({"step": trainer.step}))
@@ -467,6 +468,44 @@ def _publish_teacher_scores(
         f"({manifest['num_negatives']} scored negatives)",
         file=sys.stderr,
     )
+
+
+def _dual_encoder(cfg: FinetuneConfig, init_dir: Path, tokenizer: dict[str, Any]) -> ModelPieces:
+    """The dual encoder's pieces (``finetuning.kind``): its model, its folders at each
+    checkpoint (``save_encoders``), and what a step counts."""
+    spec, temperature = cfg.model.resolve(init_dir)
+    model = _build_model(cfg, init_dir, spec, temperature, SpecialIds.from_fingerprint(tokenizer))
+    # what a user of the saved encoder should read texts up to: the init's own length when it
+    # has one (fine-tuning on shorter passages does not shorten what it reads), else the
+    # passage length trained at
+    lengths = {
+        "q_max_len": cfg.data.q_max_len,
+        "p_max_len": cfg.data.p_max_len,
+        "max_seq_length": max(cfg.data.p_max_len, spec.max_length or 0),
+    }
+    return ModelPieces(
+        model=model,
+        batches=lambda build: build,
+        write_models=lambda state, staging: save_encoders(model, state, staging, init_dir, lengths),
+        counts=lambda batch: {  # tokens stay on the device: no read per step
+            "tokens": batch["q_mask"].sum() + batch["p_mask"].sum(),
+            "slots": batch["q_mask"].numel() + batch["p_mask"].numel(),
+            "queries": len(batch["q_ids"]),
+        },
+        marker={"objective": "contrastive"},
+        note=(
+            f"finetune: {spec.pooling} pooling, normalize {str(spec.normalize).lower()} "
+            f"(pooling from {spec.source}), temperature {temperature:g}"
+            + (f"; distillation {json.dumps(model.distill.as_dict())}" if model.distill else "")
+        ),
+    )
+
+
+MODEL_KINDS: dict[str, ModelKind] = {
+    "dual_encoder": ModelKind(check=lambda cfg: None, build=_dual_encoder),
+    "cross_encoder": cross_encoder.KIND,
+}
+"""``model.kind`` -> what it refuses and how its pieces are built (``finetuning.kind``)."""
 
 
 def _build_model(

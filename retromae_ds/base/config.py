@@ -180,16 +180,17 @@ def _rename(cls: type, data: dict[str, Any], quiet: bool, saved: bool, prefix: s
     sits, for the note)."""
     for old, new in getattr(cls, "RENAMED", {}).items():
         holder, leaf = _parent_of(data, old)
-        if holder is None:
-            continue
+        if holder is None or (new.startswith(old + ".") and isinstance(holder[leaf], dict)):
+            continue  # an old field that is now the section holding its new name: a section
         there, new_leaf = _parent_of(data, new)
         if there is not None and not saved and there[new_leaf] != holder[leaf]:
             raise ValueError(f"{old} and {new} are one field (renamed): give only {new}")
+        value = holder.pop(leaf)  # first: the old field may bear the new section's name
         node = data
         *parents, new_leaf = new.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[new_leaf] = holder.pop(leaf)
+        node[new_leaf] = value
         if not quiet:
             note_renamed(prefix + old, prefix + new)
     if dataclasses.is_dataclass(cls):

@@ -11,7 +11,10 @@ that already hold embeddings. Command line (wired as ``retromae-ds eval``)::
 
     retromae-ds eval --model DIR --beir DIR [--split test] [--pooling auto|POOLING] [--normalize]
                      [--measures ndcg@10 recall@100 ...] [--index flat|ivf|hnsw|IVF4096,Flat|... [--nprobe N]]
-                     [--rerank [--rerank_negatives N | --candidates FILE]] [--ignore_identical_ids false]
+                     [--rerank.model CE [--rerank.depth K] [--rerank.batch_size N]]
+                     [--rerank.lists [--rerank.negatives N | --rerank.candidates FILE]]
+                     [--ignore_identical_ids false]
+    retromae-ds eval --model bm25 --beir DIR [--rerank.model CE ...]
 
 A model with separate towers (a fine-tuning run with ``--model.shared false``, one of its
 checkpoints, or its export) encodes the queries with its query tower and the passages with its
@@ -25,8 +28,12 @@ default as in BEIR: ArguAna and Quora hold their queries in the corpus); wheneve
 anything, or a judged relevant pair has one id (a pair that can then never count), one line
 says how many, and the result records the setting and the counts.
 
-``--rerank`` also ranks each query's candidate list with the same embeddings and reports MAP
-and MRR@10 (C-MTEB's reranking measures; ``retromae_ds.eval.rerank``).
+``--rerank.model CE`` reranks the first stage's top ``--rerank.depth`` with a cross-encoder
+and reports the reranked run's measures, the first stage's beside them, and the pairs scored
+per second (``retromae_ds.eval.two_stage``); ``--model bm25`` makes BM25 the first stage.
+``--rerank.lists`` (formerly ``--rerank``) also ranks each query's candidate list with the
+same embeddings and reports MAP and MRR@10 (C-MTEB's reranking measures;
+``retromae_ds.eval.rerank``).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -50,6 +57,13 @@ from retromae_ds.eval.rerank import (
 )
 from retromae_ds.eval.result_file import check_out, write_result
 from retromae_ds.eval.towers import Towers, load_newest
+from retromae_ds.eval.two_stage import (
+    BM25,
+    CrossEncoderStage,
+    RerankConfig,
+    reranking_lines,
+    with_reranking,
+)
 from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import Choices, check_pooling
 from retromae_ds.retrieval.beir import BeirData, check_beir, load_beir
@@ -151,6 +165,8 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['dataset']} [{result['split']}]: {result['num_queries']} queries, "
         f"{result['num_corpus']} documents"
     ]
+    if "cross_encoder" in result:
+        lines += reranking_lines(result)
     lines += [f"  {name:<12} {value:.4f}" for name, value in result["metrics"].items()]
     if "rerank" in result:
         rr = result["rerank"]
@@ -227,6 +243,9 @@ class ScoreSettings:
     or the JSONL lists of ``candidates``)."""
     rerank_negatives: int = DEFAULT_NEGATIVES
     candidates: str | Path | None = None
+    cross_encoder: CrossEncoderStage | None = None
+    """Rerank the top ``depth`` of the search with this cross-encoder
+    (``eval.two_stage``): the measures are then the reranked run's."""
 
     def __post_init__(self) -> None:
         check_measures(self.measures, "measures")  # before anything is loaded or encoded
@@ -294,6 +313,8 @@ def evaluate_beir(
             beir=None if isinstance(beir_dir, BeirData) else beir_dir,
         )
     t = time.perf_counter()
+    if score_cfg.cross_encoder is not None:
+        score_cfg.cross_encoder.load()  # a folder that is not one: refused before encoding
     data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
     seconds = {"load": time.perf_counter() - t}
     missing_docs = _warn_missing(data)
@@ -326,6 +347,8 @@ def evaluate_beir(
         "per_query": scores.per_query,
         **({"rerank": scores.reranked} if scores.reranked is not None else {}),
     }
+    if scores.cross_encoder is not None:
+        with_reranking(result, scores.cross_encoder)
     _report(result, out_json, verbose)
     return result
 
@@ -366,6 +389,8 @@ class Scores:
     reranked: dict[str, Any] | None
     index: IndexChoice
     """What the index setting resolved to for this corpus."""
+    cross_encoder: dict[str, Any] | None = None
+    """The cross-encoder's reranking of the run (``eval.two_stage``), when asked."""
 
 
 def score(data: BeirData, emb: Embeddings, cfg: ScoreSettings, seconds: dict[str, float]) -> Scores:
@@ -373,8 +398,10 @@ def score(data: BeirData, emb: Embeddings, cfg: ScoreSettings, seconds: dict[str
     dropped or misses anything, and the reranking when asked (their seconds into
     ``seconds``)."""
     t = time.perf_counter()
+    ce = cfg.cross_encoder
+    depth = ce.retrieve_depth(cfg.measures) if ce is not None else max_cutoff(cfg.measures)
     run, dropped, index = retrieve_counting(
-        emb.query, emb.corpus, data.query_ids, data.corpus_ids, max_cutoff(cfg.measures),
+        emb.query, emb.corpus, data.query_ids, data.corpus_ids, depth,
         metric=cfg.metric, backend=cfg.backend, ignore_identical_ids=cfg.ignore_identical_ids,
         index=cfg.index,
     )  # fmt: skip
@@ -395,7 +422,12 @@ def score(data: BeirData, emb: Embeddings, cfg: ScoreSettings, seconds: dict[str
         t = time.perf_counter()
         reranked = _rerank(data, emb.query, emb.corpus, cfg.candidates, cfg.rerank_negatives)
         seconds["rerank"] = time.perf_counter() - t
-    return Scores(mean, per_query, dropped, judged_identical, reranked, index)
+    reranked_ce = None
+    if ce is not None:
+        t = time.perf_counter()
+        reranked_ce = ce.run(data, run, cfg.measures)
+        seconds["cross_encoder"] = time.perf_counter() - t
+    return Scores(mean, per_query, dropped, judged_identical, reranked, index, reranked_ce)
 
 
 def _report(result: dict[str, Any], out_json: str | Path | None, verbose: bool) -> None:
@@ -522,7 +554,8 @@ class EvalConfig:
     """``retromae-ds eval``: retrieval metrics of an encoder on a BEIR folder."""
 
     model: str
-    """A local Hugging Face encoder folder, a checkpoint, or a run folder (its newest)."""
+    """A local Hugging Face encoder folder, a checkpoint, a run folder (its newest), or bm25
+    (BM25 as the first stage; a folder named so: ./bm25)."""
     beir: str
     """BEIR dataset folder (corpus/queries/qrels)."""
     split: str = "test"
@@ -543,12 +576,9 @@ class EvalConfig:
     """auto (cuda if available), cpu, cuda:1, ..."""
     progress: bool = True
     """Progress bars on stderr."""
-    rerank: bool = False
-    """Also rerank each query's candidates (positives + BM25 negatives): MAP, MRR@10."""
-    rerank_negatives: int = DEFAULT_NEGATIVES
-    """BM25 negatives per candidate list."""
-    candidates: str | None = None
-    """JSONL candidate lists (query_id, negative[, positive]) instead of BM25's."""
+    rerank: RerankConfig = field(default_factory=RerankConfig)
+    """A cross-encoder over the first stage's top K (rerank.model, rerank.depth), and
+    C-MTEB's candidate lists (rerank.lists: what --rerank was)."""
     ignore_identical_ids: bool = True
     """Drop a retrieved document whose id is its query's, as BEIR does (ArguAna and Quora hold
     their queries in the corpus); what it drops is said in one line and recorded."""
@@ -567,14 +597,50 @@ class EvalConfig:
     train_size: int = 0
     """Documents sampled to train an IVF or PQ index (0: auto, 64 per list or code)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {
+        "rerank": "rerank.lists",
+        "rerank_negatives": "rerank.negatives",
+        "candidates": "rerank.candidates",
+    }
+    """The candidate-list reranking's options moved into the ``rerank`` section."""
+
     def __post_init__(self) -> None:
         self.pooling = check_pooling(self.pooling, "--pooling")
         self.measures = check_measures(self.measures, "--measures")
+        if self.model == BM25:
+            self._check_bm25()
         with spelled_as(self.option):  # checked once, here; sized to the corpus after loading
             self.index_setting = index_setting(
                 self.index, nprobe=self.nprobe, ef_search=self.ef_search,
                 train_size=self.train_size,
             )  # fmt: skip
+
+    def _check_bm25(self) -> None:
+        """``--model bm25`` has no embeddings: the dense model's options are refused."""
+        dense = {
+            "--pooling": self.pooling != "auto",
+            "--normalize": self.normalize is not None,
+            "--max_length": self.max_length is not None,
+            "--index": self.index != "flat",
+            "--rerank.lists": self.rerank.lists,
+            "--rerank.candidates": self.rerank.candidates is not None,
+        }
+        given = [name for name, set_ in dense.items() if set_]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: a dense model's; --model bm25 (the lexical first stage) "
+                "has no embeddings: leave them out (a folder named bm25: --model ./bm25)"
+            )
+
+    def cross_encoder(self) -> CrossEncoderStage | None:
+        """The reranking step ``rerank.model`` asks for, or None."""
+        r = self.rerank
+        if not r.model:
+            return None
+        return CrossEncoderStage(
+            r.model, depth=r.depth, batch_size=r.batch_size, max_length=r.max_length,
+            device=self.device,
+        )  # fmt: skip
 
     @staticmethod
     def option(setting: str) -> str:
