@@ -242,18 +242,26 @@ class FinetuneConfig(RunConfig):
         d = self.distill
         if not d.enabled:
             return
-        if not (d.scores or self.data.pairs):
+        if not (d.scores or d.teacher or self.data.pairs):
             raise ValueError(
-                f"distill.loss {d.loss} needs teacher scores: --distill.scores FILE (an "
+                f"distill.loss {d.loss} needs teacher scores: --distill.teacher CE (a "
+                "cross-encoder scoring every negatives version), --distill.scores FILE (an "
                 "anchor's score file naming the training ids), or --data.pairs with a file "
                 "that scores its passages (FlagEmbedding pos_scores/neg_scores, an ST scores "
                 "column, Tevatron's score)"
             )
-        if self.refresher != "none":
+        if d.teacher:
+            if self.refresh.teacher and self.refresh.teacher != d.teacher:
+                raise ValueError(
+                    f"refresh.teacher {self.refresh.teacher!r} and distill.teacher "
+                    f"{d.teacher!r} differ: give distill.teacher alone"
+                )
+            self.refresh.teacher = d.teacher  # every version, the refresher's included
+        elif self.refresher != "none":
             raise ValueError(
-                f"distill.loss {d.loss} with --refresher {self.refresher}: a refresher's "
-                "versions carry no teacher scores (online scoring is not built yet); use "
-                "--refresher none"
+                f"distill.loss {d.loss} with --refresher {self.refresher}: the refresher's "
+                "versions carry teacher scores only from an online teacher: add "
+                "--distill.teacher CE, or use --refresher none"
             )
         if self.negatives.n_hard < 1:
             raise ValueError("distillation needs negatives.n_hard >= 1 scored negatives a query")
@@ -415,7 +423,7 @@ def _prepare_data(
         )
     eng.barrier()
     ts = ance_data.load(prepared)
-    if dist.rank == 0 and cfg.distill.enabled:
+    if dist.rank == 0 and cfg.distill.enabled and not cfg.distill.teacher:
         _publish_teacher_scores(cfg, layout, ts, beir)
     elif dist.rank == 0 and not (layout.negatives / handoff.POINTER).exists():
         # --progress false silences bm25s's bars too

@@ -118,7 +118,7 @@ def test_an_edited_scores_file_and_a_refresher_are_refused(tmp_path, tokenizer_d
     result = finetune(run, *common, check=False)
     assert result.returncode == 2
     assert "fe.jsonl" in result.stderr.strip().splitlines()[-1]
-    with pytest.raises(ValueError, match="online scoring is not built yet"):
+    with pytest.raises(ValueError, match="only from an online teacher"):
         FinetuneConfig(data=FinetuneDataConfig(pairs=str(fe)), model=DualModelConfig(init="x"),
                        refresher="local", distill=DistillConfig(loss="kl"))  # fmt: skip
     with pytest.raises(ValueError, match="needs teacher scores"):
@@ -204,3 +204,76 @@ def test_a_scores_file_beside_a_beir_folder_is_the_first_version(tmp_path, token
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert "teacher.tsv" in last and "have no teacher scores" in last, last
+
+
+def _tiny_cross_encoder(folder: Path, tokenizer_dir: Path) -> Path:
+    """A randomly initialised 2-layer one-label BERT sequence classifier (a teacher whose
+    scores are arbitrary but fixed: what the test needs)."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from helpers_ance import NO_DROPOUT, small_config
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    torch.manual_seed(7)
+    config = BertConfig(
+        **small_config(len(tok), max_position_embeddings=128, pad_token_id=tok.pad_token_id),
+        **NO_DROPOUT, num_labels=1,
+    )  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.slow
+def test_online_teacher_scores_every_negative_the_trainer_draws(tmp_path, tokenizer_dir):
+    """``--distill.teacher CE`` with a local refresher: BM25's v0 and the refresher's version
+    carry the cross-encoder's scores; replaying the run's batches (its sampler, the version
+    each step logged) counts every (query, passage) the trainer drew and finds each teacher
+    score equal to the cross-encoder's own score of that pair's texts."""
+    from retromae_ds.data.sampler import ResumableDistributedSampler
+    from retromae_ds.retrieval.beir import load_corpus, load_queries
+    from retromae_ds.retrieval.cross_encoder import CrossEncoderScorer
+
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=90, num_queries=28)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    ce = _tiny_cross_encoder(tmp_path / "ce", tokenizer_dir)
+    run = tmp_path / "run"
+    finetune(run, "--data.beir", str(beir), "--model.init", str(encoder),
+             "--data.q_max_len", "16", "--data.p_max_len", "32", "--micro_batch_size", "4",
+             "--negatives.n_hard", "2", "--refresh.mining.num_negatives", "3",
+             "--max_steps", "4", "--log_every", "1", "--negatives.mine_first", "true",
+             "--refresher", "local", "--refresh.device", "cpu", "--refresh.poll_s", "0.2",
+             "--refresh.progress", "false", "--refresh.threads", "1",
+             "--refresh.max_versions", "1",
+             "--distill.loss", "kl_ce", "--distill.teacher", str(ce),
+             "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]')  # fmt: skip
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    ts = ance_data.load(run / "data")
+    versions = {v: handoff.load_version(run / "negatives", v)
+                for v in handoff.published_versions(run / "negatives")}  # fmt: skip
+    assert sorted(versions) == [0, 1] and all(n.scored for n in versions.values())
+    first = versions[1].manifest
+    assert first["source"] == "model" and first["teacher"]["version_pairs"] > 0
+    # replay the batches as batch_stream drew them
+    sampler = ResumableDistributedSampler(ts.num_queries, 1, 0, seed=0)
+    build = BatchBuilder(ts, 2, seed=0, teacher=True)
+    doc_ids, texts = load_corpus(beir / "corpus.jsonl")
+    text_of = dict(zip(doc_ids, texts, strict=True))
+    queries = load_queries(beir / "queries.jsonl")
+    pid = ts.passage_ids.to_pylist()
+    q_texts, p_texts, got = [], [], []
+    for row in rows:
+        if sampler.consumed + 4 > len(sampler):
+            sampler.advance(len(sampler) - sampler.consumed)
+        chosen = sampler.indices(sampler.consumed, sampler.consumed + 4)
+        batch = build(chosen, sampler.epoch, versions[row["negatives_version"]])
+        sampler.advance(4)
+        for i, q in enumerate(chosen.tolist()):
+            for j in range(3):
+                q_texts.append(queries[ts.query_ids[q]])
+                p_texts.append(text_of[pid[int(batch["p_index"][i * 3 + j])]])
+                got.append(batch["teacher"][i, j].item())
+    want = CrossEncoderScorer.from_dir(ce, device="cpu")(q_texts, p_texts)
+    assert len(got) == 4 * 4 * 3  # every drawn positive and negative of the 4 steps
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

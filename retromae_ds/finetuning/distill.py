@@ -74,6 +74,11 @@ class DistillConfig:
     neg_scores, an ST scores column, Tevatron's score) needs no file."""
     scores_format: str = "auto"
     """The format of ``scores`` (auto: detected from the file)."""
+    teacher: str = ""
+    """Teacher scores, online: a cross-encoder (folder, checkpoint or run folder;
+    ``finetune --model.kind cross_encoder`` trains one) that scores every negatives version as
+    it is published: BM25's (or the pairs file's) first one and each one a refresher mines
+    (``refresher.teacher``; it sets ``refresh.teacher``)."""
 
     def __post_init__(self) -> None:
         checks = (("loss", LOSSES), ("reduction", REDUCTIONS), ("scale", SCALES))
@@ -89,8 +94,13 @@ class DistillConfig:
                 raise ValueError(f"distill.{name} must be > 0, not {value}")
         if self.weight < 0 or (self.ce_weight is not None and self.ce_weight < 0):
             raise ValueError("distill.weight and distill.ce_weight must be >= 0")
-        if self.scores and not self.enabled:
-            raise ValueError("distill.scores is read for a distillation loss: give --distill.loss")
+        if (self.scores or self.teacher) and not self.enabled:
+            raise ValueError(
+                "distill.scores and distill.teacher serve a distillation loss: give "
+                "--distill.loss"
+            )
+        if self.scores and self.teacher:
+            raise ValueError("give one teacher: distill.scores (offline) or distill.teacher")
 
     @property
     def enabled(self) -> bool:

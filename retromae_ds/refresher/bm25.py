@@ -19,6 +19,7 @@ from retromae_ds.finetuning.data import TrainingSet
 from retromae_ds.refresher.candidate_pool import Plan, pool_width, prune, save_pool
 from retromae_ds.refresher.config import RefreshConfig
 from retromae_ds.refresher.publish import Ranking, mine_and_publish
+from retromae_ds.refresher.teacher import teacher_for
 
 
 def bm25_rankings(
@@ -73,6 +74,7 @@ def publish_bm25(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict[
         source={"source": "bm25", "analyzer": choose_analyzer(passages)},
         extra=extra,
         timings={"bm25_s": time.perf_counter() - t0},
+        teacher=teacher_for(cfg, ts),
     )
     if pool_k:
         prune(Path(root), version)

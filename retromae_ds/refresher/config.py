@@ -184,6 +184,14 @@ class RefreshConfig:
     """Stop when this process (the trainer, for its ``--refresher local`` subprocess) is gone
     (0: no such process). The trainer passes it on the command line, never in
     refresh_config.json, which other refreshers of the run read too."""
+    teacher: str = ""
+    """A cross-encoder (folder, checkpoint or run folder) that scores every version's
+    positives and negatives as it is published (``refresher.teacher``: distillation's online
+    teacher; ``finetune --distill.teacher`` sets it). Empty: versions carry no scores."""
+    teacher_batch_size: int = 64
+    """Pairs per cross-encoder forward pass."""
+    teacher_max_length: int | None = None
+    """Tokens per (query, passage) pair (none: the cross-encoder's own, else 512)."""
     mode: str = "full"
     """``full``: every version encodes the whole corpus and searches it. ``pool``: a version
     may instead re-score a candidate pool (``retromae_ds.refresher.candidate_pool``): each

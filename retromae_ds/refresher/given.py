@@ -19,6 +19,7 @@ from retromae_ds.finetuning.pairs_data import given_negatives, staged_record
 from retromae_ds.refresher.bm25 import bm25_rankings
 from retromae_ds.refresher.config import RefreshConfig, mining_settings
 from retromae_ds.refresher.mining import mine
+from retromae_ds.refresher.teacher import teacher_for
 
 
 def staged_folder(ts: TrainingSet) -> Path:
@@ -70,14 +71,16 @@ def publish_given(cfg: RefreshConfig, ts: TrainingSet, root: str | Path) -> dict
         "settings": mining_settings(cfg.mining),
         "timings": {"given_s": round(time.perf_counter() - t0, 3)},
     }
+    negatives = [np.asarray(n, dtype=np.int32) for n in negatives]
+    teacher = teacher_for(cfg, ts)
+    scores = None if teacher is None else teacher.scores(negatives)
+    if teacher is not None:
+        meta["teacher"] = teacher.record()
+        meta["timings"]["teacher_s"] = round(teacher.seconds, 3)
     handoff.publish(
-        Path(root),
-        version,
-        [np.asarray(n, dtype=np.int32) for n in negatives],
-        step=0,
-        meta=meta,
-        keep_last=cfg.keep_last,
-    )
+        Path(root), version, negatives, step=0, meta=meta, keep_last=cfg.keep_last,
+        scores=scores,
+    )  # fmt: skip
     return json.loads(handoff.manifest_file(Path(root), version).read_text())
 
 

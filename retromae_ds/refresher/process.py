@@ -74,6 +74,7 @@ from retromae_ds.finetuning import handoff
 from retromae_ds.refresher import candidate_pool, embed_shards
 from retromae_ds.refresher.config import RefreshConfig
 from retromae_ds.refresher.publish import Ranking, mine_and_publish
+from retromae_ds.refresher.teacher import teacher_for
 from retromae_ds.refresher.stages import (
     RANKING,
     Group,
@@ -289,6 +290,7 @@ def _mine_and_publish(
         keep_last=cfg.keep_last,
         step=step,
         source={"source": "model", "checkpoint": checkpoint.name},
+        teacher=teacher_for(cfg, ts, str(pick_device(cfg, job.group.local_rank))),
         extra={
             "ranks": job.group.world,
             "embedding_cache": job.cached,

@@ -26,6 +26,7 @@ from retromae_ds.finetuning import handoff
 from retromae_ds.finetuning.data import TrainingSet
 from retromae_ds.refresher.config import SCORE_FILTERS, MiningConfig, mining_settings
 from retromae_ds.refresher.filters import drop_by_scores
+from retromae_ds.refresher.teacher import OnlineTeacher
 from retromae_ds.refresher.mining import (
     drop_identical,
     drop_likely_positives,
@@ -86,6 +87,7 @@ def mine_and_publish(
     source: dict[str, Any],
     extra: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
+    teacher: OnlineTeacher | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Mine ``ranking`` with ``cfg``'s settings and ``seed`` and publish it as ``version``
     under the negatives folder ``root`` (trained on from ``step``; the newest ``keep_last``
@@ -94,7 +96,8 @@ def mine_and_publish(
     mining settings, the false-negative filter's counts (a ranking with scores), the own
     documents dropped (``identical_ids``: the flag, training queries whose id is a passage's,
     queries whose ranking held it), ``extra`` and the timings (``mine_s`` added). Returns
-    (manifest, filter counts or None)."""
+    (manifest, filter counts or None). With ``teacher`` (the online teacher) the version
+    carries its scores of every query's positives and negatives."""
     timings = dict(timings or {})
     t0 = time.perf_counter()
     ids, filtered = ranking.ids, None
@@ -133,12 +136,19 @@ def mine_and_publish(
     )
     timings["mine_s"] = timings.get("mine_s", 0.0) + time.perf_counter() - t0
     meta: dict[str, Any] = {**source, "data": ts.fingerprint(), "settings": mining_settings(cfg)}
+    scores = None
+    if teacher is not None:
+        scores = teacher.scores(negatives)
+        timings["teacher_s"] = teacher.seconds
+        meta["teacher"] = teacher.record()
     if ranking.scores is not None:
         meta["false_negative_filter"] = filtered
     meta["identical_ids"] = identical
     meta.update(extra or {})
     meta["timings"] = {k: round(v, 3) for k, v in timings.items()}
-    handoff.publish(root, version, negatives, step=step, meta=meta, keep_last=keep_last)
+    handoff.publish(
+        root, version, negatives, step=step, meta=meta, keep_last=keep_last, scores=scores
+    )
     manifest = json.loads(handoff.manifest_file(Path(root), version).read_text())
     return manifest, filtered
 
