@@ -37,6 +37,7 @@ from retromae_ds.hf import sbert
 from retromae_ds.hf.pooling import Choices, check_pooling
 from retromae_ds.refresher import filters, offline
 from retromae_ds.refresher.config import RefresherConfig, RefresherMiningConfig
+from retromae_ds.refresher.denoise import DenoiseSettings, Judged, judge
 from retromae_ds.refresher.filters import FilterSettings, Selection
 from retromae_ds.refresher.mining import identical_passages
 
@@ -134,9 +135,33 @@ class MineConfig:
     """Tokenized data and resumable shards (default: .NAME.work beside out)."""
     progress: bool = True
     """Progress bars on stderr."""
+    cross_encoder: str = ""
+    """A cross-encoder (folder, checkpoint or run folder) that scores every query's
+    positives and mined negatives: written as NAME.teacher.tsv (RetroMAE's ``qid did score``
+    lines, what ``finetune --distill.scores`` reads), and what ``denoise`` judges."""
+    ce_batch_size: int = 64
+    """Pairs per cross-encoder forward pass."""
+    ce_max_length: int | None = None
+    """Tokens per pair (none: the cross-encoder's own, else 512)."""
+    denoise: str = "none"
+    """False negatives by the cross-encoder's scores (``refresher.denoise``): none, threshold
+    (its probability above denoise_value, default 0.1), margin (a logit above the weakest
+    positive's minus denoise_value, default 0) or relative_margin."""
+    denoise_value: float | None = None
+    """The threshold or margin of ``denoise``."""
+    denoise_action: str = "drop"
+    """What a false negative becomes: drop (removed), relabel (a positive) or drop_query."""
+    denoise_fit: bool = False
+    """Fit denoise_value on the held-out positives (--holdout_positive): the best F1 of
+    finding them among the candidates; the manifest gives its precision and recall."""
 
     def __post_init__(self) -> None:
         self.pooling = check_pooling(self.pooling, "--pooling")
+        self.denoising()
+        if self.denoise != "none" and not self.cross_encoder:
+            raise ValueError(f"--denoise {self.denoise} judges by a --cross_encoder's scores")
+        if self.denoise_fit and not (self.holdout_positive and self.denoise != "none"):
+            raise ValueError("--denoise_fit fits --denoise on --holdout_positive's positives")
         if bool(self.beir) == bool(self.pairs):
             raise ValueError("give one of --beir FOLDER or --pairs FILE")
         unknown = [f for f in self.format if f not in EXPORTS]
@@ -146,6 +171,11 @@ class MineConfig:
             raise ValueError(f"--max_length must be >= 3, not {self.max_length}")
         self.filters()
         self.refresh_config(1)
+
+    def denoising(self) -> DenoiseSettings:
+        return DenoiseSettings(
+            mode=self.denoise, value=self.denoise_value, action=self.denoise_action
+        )
 
     def filters(self) -> FilterSettings:
         names = [f.name for f in FilterSettings.__dataclass_fields__.values()]
@@ -209,12 +239,20 @@ def run_mine(cfg: MineConfig) -> dict[str, Any]:
         positive_min_Q=_lowest(pair_scores, ts.positives, positives), excluded_Q=excluded,
         watch_Q=watch,
     )  # fmt: skip
-    counts = {"dropped": 0, "negatives": 0, "short": 0, "missing": 0}
+    judged = _judge(cfg, beir, ts, positives, selection, watch) if cfg.cross_encoder else None
+    counts = {"dropped": 0, "negatives": 0, "short": 0, "missing": 0, "denoised": 0,
+              "relabelled": 0, "queries_dropped": 0}  # fmt: skip
+    teacher: dict[str, dict[str, float]] | None = {} if judged else None
     written = write_examples(
-        _examples(ts, positives, pair_scores, selection, counts, settings.num_negatives),
+        _examples(ts, positives, pair_scores, selection, counts, settings.num_negatives,
+                  judged, cfg.denoise_action, teacher),
         out,
         "mined",
-    )
+    )  # fmt: skip
+    if teacher is not None:
+        from retromae_ds.data.teacher_scores import write_teacher_scores
+
+        write_teacher_scores(_teacher_path(out), teacher)
     exports = _exports(cfg, out, beir)
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -237,6 +275,13 @@ def run_mine(cfg: MineConfig) -> dict[str, Any]:
         "exports": exports,
         "timings": {**{k: round(v, 3) for k, v in job.timings.items()}},
     }
+    if judged is not None:
+        manifest["cross_encoder"] = {
+            **judged.record.pop("scorer"), "teacher_file": _teacher_path(out).name,
+            "teacher_sha256": sha256_file(_teacher_path(out)),
+        }  # fmt: skip
+        manifest["denoise"] = {**judged.record, **{k: counts[k] for k in
+                               ("denoised", "relabelled", "queries_dropped")}}  # fmt: skip
     manifest["timings"]["total_s"] = round(time.perf_counter() - t0, 3)
     atomic_write_text(manifest_path, json.dumps(manifest, indent=2))
     print(_summary(manifest, out, manifest_path), flush=True)
@@ -309,11 +354,16 @@ def _lowest(pair_scores: np.ndarray, all_pos: list[np.ndarray], visible) -> np.n
 
 
 def _examples(
-    ts, positives, pair_scores, sel: Selection, counts: dict[str, int], n: int
-) -> Iterator[Example]:
+    ts, positives, pair_scores, sel: Selection, counts: dict[str, int], n: int,
+    judged: Judged | None = None, action: str = "drop",
+    teacher: dict[str, dict[str, float]] | None = None,
+) -> Iterator[Example]:  # fmt: skip
     """One ``mined`` example per query; a labelled positive is never written as a negative
-    (a held-out one that came back is counted in ``dropped``); ``counts`` also sums what is
-    written: negatives, queries short of ``n`` and the negatives they miss."""
+    (a held-out one that came back is counted in ``dropped``); a negative ``judged`` a false
+    negative is dropped, relabelled as a positive, or drops its query (``action``);
+    ``counts`` also sums what is written: negatives, queries short of ``n`` and the
+    negatives they miss. ``teacher`` collects the cross-encoder's score of every passage
+    written."""
     import pyarrow as pa
 
     ids = (
@@ -324,26 +374,72 @@ def _examples(
     lookup = _pair_lookup(pair_scores, ts.positives)
     for q, score_of in enumerate(lookup):
         labelled = set(ts.positives[q].tolist())
+        flags = judged.flags[q] if judged is not None else np.zeros(len(sel.negatives[q]), bool)
+        if action == "drop_query" and flags.any():
+            counts["queries_dropped"] += 1
+            continue
         keep = [i for i, p in enumerate(sel.negatives[q].tolist()) if p not in labelled]
         counts["dropped"] += len(sel.negatives[q]) - len(keep)
+        false = [i for i in keep if flags[i]]
+        keep = [i for i in keep if not flags[i]]
+        counts["denoised"] += len(false)
         counts["negatives"] += len(keep)
         counts["short"] += len(keep) < n
         counts["missing"] += max(0, n - len(keep))
         neg_ids = ids.take(pa.array(sel.negatives[q][keep], pa.int64())).to_pylist()
         pos = positives[q]
         pos_ids = ids.take(pa.array(pos, pa.int64())).to_pylist()
+        extra = []
+        if action == "relabel" and false:
+            counts["relabelled"] += len(false)
+            extra_ids = ids.take(pa.array(sel.negatives[q][false], pa.int64())).to_pylist()
+            extra = [Passage(id=d, score=round(float(sel.scores[q][i]), 6))
+                     for d, i in zip(extra_ids, false, strict=True)]  # fmt: skip
+        if teacher is not None and judged is not None:
+            got = dict(zip(pos_ids, judged.positive[q].tolist(), strict=True))
+            chosen = keep + (false if action == "relabel" else [])
+            chosen_ids = ids.take(pa.array(sel.negatives[q][chosen], pa.int64())).to_pylist()
+            got.update(zip(chosen_ids, judged.candidate[q][chosen].tolist(), strict=True))
+            teacher[ts.query_ids[q]] = got
         yield Example(
             query=None,
             query_id=ts.query_ids[q],
             positives=tuple(
                 Passage(id=d, score=round(score_of[int(p)], 6))
                 for d, p in zip(pos_ids, pos, strict=True)
-            ),
+            )
+            + tuple(extra),
             negatives=tuple(
                 Passage(id=d, rank=int(sel.ranks[q][i]), score=round(float(sel.scores[q][i]), 6))
                 for d, i in zip(neg_ids, keep, strict=True)
             ),
         )
+
+
+def _teacher_path(out: Path) -> Path:
+    return out.with_name(f"{out.name.removesuffix('.jsonl')}.teacher.tsv")
+
+
+def _judge(cfg: MineConfig, beir: Path, ts, positives, sel: Selection, watch) -> Judged:
+    """The cross-encoder's scores of every visible positive and selected candidate, and the
+    false negatives ``cfg.denoising()`` flags (its figures on the held-out positives)."""
+    from retromae_ds.retrieval.beir import load_corpus, load_queries
+    from retromae_ds.retrieval.cross_encoder import CrossEncoderScorer
+
+    scorer = CrossEncoderScorer.from_dir(
+        cfg.cross_encoder, device=cfg.device, max_length=cfg.ce_max_length,
+        batch_size=cfg.ce_batch_size,
+    )  # fmt: skip
+    doc_ids, texts = load_corpus(beir / "corpus.jsonl")
+    text_of = dict(zip(doc_ids, texts, strict=True))
+    passages = [text_of[d] for d in ts.passage_ids.to_pylist()]
+    query_text = load_queries(beir / "queries.jsonl")
+    judged = judge(
+        scorer, [query_text[q] for q in ts.query_ids], passages, positives, sel.negatives,
+        cfg.denoising(), watch=watch, fit=cfg.denoise_fit,
+    )  # fmt: skip
+    judged.record["scorer"] = scorer.record()
+    return judged
 
 
 def _exports(cfg: MineConfig, out: Path, beir: Path) -> dict[str, Any]:

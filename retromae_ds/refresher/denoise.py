@@ -133,4 +133,69 @@ def fit_threshold(mode: str, stats: np.ndarray, labels: np.ndarray) -> dict[str,
     for cut in np.quantile(stats, np.linspace(0, 1, 11)):
         d = detection(stats > cut, labels)
         curve.append({"cut": round(float(cut), 6), "precision": d["precision"], "recall": d["recall"]})
-    return {"value": round(float(value), 6), **detection(stats > edge, labels), "curve": curve}
+    return {"value": float(value), **detection(stats > edge, labels), "curve": curve}
+
+
+# --------------------------------------------------------------------------- mine's use
+@dataclass
+class Judged:
+    """A cross-encoder's view of mined negatives: per query, the logits of its visible
+    positives and of each selected candidate (aligned with ``Selection.negatives``), the
+    candidates flagged as false negatives, and the figures the manifest records."""
+
+    positive: list[np.ndarray]
+    candidate: list[np.ndarray]
+    flags: list[np.ndarray]
+    record: dict[str, Any]
+
+
+def judge(
+    scorer: Any,
+    queries: list[str],
+    passages: Any,
+    positives: list[np.ndarray],
+    candidates: list[np.ndarray],
+    settings: DenoiseSettings,
+    *,
+    watch: np.ndarray | None = None,
+    fit: bool = False,
+) -> Judged:
+    """Score every query's visible ``positives`` and ``candidates`` (passage indices; texts
+    ``queries[q]``, ``passages[i]``) with ``scorer`` (``retrieval.cross_encoder.
+    CrossEncoderScorer``), flag false negatives under ``settings`` and, with ``watch`` (the
+    held-out positive of each query, or -1), measure the rule's detection of them, fitting
+    its value first with ``fit``."""
+    q_texts, p_texts, sizes = [], [], []
+    for q, (pos, cand) in enumerate(zip(positives, candidates, strict=True)):
+        rows = [*np.asarray(pos).tolist(), *np.asarray(cand).tolist()]
+        q_texts += [queries[q]] * len(rows)
+        p_texts += [passages[i] for i in rows]
+        sizes.append(len(pos))
+    flat = scorer(q_texts, p_texts)
+    pos_s, cand_s, at = [], [], 0
+    for n_pos, cand in zip(sizes, candidates, strict=True):
+        pos_s.append(flat[at : at + n_pos])
+        cand_s.append(flat[at + n_pos : at + n_pos + len(cand)])
+        at += n_pos + len(cand)
+    weakest = [float(p.min()) if len(p) else float("inf") for p in pos_s]
+    record: dict[str, Any] = {"mode": settings.mode, "action": settings.action}
+    if watch is not None and settings.enabled:
+        held = [q for q in range(len(candidates)) if watch[q] >= 0]
+        labels = np.concatenate(
+            [np.asarray(candidates[q]) == watch[q] for q in held] or [np.zeros(0, bool)]
+        )
+        stats = np.concatenate(
+            [statistic(settings.mode, cand_s[q], weakest[q]) for q in held] or [np.zeros(0)]
+        )
+        if fit:
+            fitted = fit_threshold(settings.mode, stats, labels)
+            record["fitted"] = fitted
+            settings = DenoiseSettings(mode=settings.mode, value=fitted["value"],
+                                       action=settings.action)  # fmt: skip
+        cut = settings.resolved_value if settings.mode == "threshold" else -settings.resolved_value
+        record["holdout_detection"] = detection(stats > cut, labels)
+    flags = [flagged(settings, c, w) for c, w in zip(cand_s, weakest, strict=True)]
+    record["value"] = settings.resolved_value if settings.enabled else None
+    record["flagged"] = int(sum(int(f.sum()) for f in flags))
+    record["queries_flagged"] = int(sum(bool(f.any()) for f in flags))
+    return Judged(pos_s, cand_s, flags, record)
