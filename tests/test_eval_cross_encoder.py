@@ -166,3 +166,16 @@ def test_score_pairs_keeps_the_input_order_whatever_the_batching(folders):
         one,
         atol=1e-5,
     )
+
+
+def test_rerank_section_and_old_names_in_a_config_file():
+    """A ``--config`` file may say ``rerank: true`` (the old field) or ``rerank: {...}`` (the
+    section); old names beside the section land in it."""
+    from retromae_ds.base.config import from_dict
+
+    old = from_dict(EvalConfig, {"model": "m", "beir": "b", "rerank": True, "candidates": "f"})
+    assert (old.rerank.lists, old.rerank.candidates) == (True, "f")
+    new = {"model": "m", "beir": "b", "rerank": {"model": "ce", "depth": 9}, "rerank_negatives": 3}
+    cfg = from_dict(EvalConfig, new)
+    assert (cfg.rerank.model, cfg.rerank.depth, cfg.rerank.negatives) == ("ce", 9, 3)
+    assert not cfg.rerank.lists
