@@ -33,6 +33,11 @@ anything reads them (``retromae_ds.finetuning.data``). The init and its pooling 
 model is built) before anything is tokenized, and a pre-training run folder as ``--run_dir``
 is refused before anything is written into it.
 
+``--model.kind cross_encoder`` trains a reranker instead, through the same loop, checkpoints
+and negatives (``retromae_ds.finetuning.cross_encoder``: listwise over each query's positive
+and hard negatives; no refresher). A kind is looked up once (``MODEL_KINDS``) for its model,
+batches, folders and refusals.
+
 Checkpoints hold ``encoder/`` (and ``query_encoder/``) as Hugging Face folders; the per-rank
 state adds the negatives version in use, so a resumed run builds the same batches as an
 uninterrupted one.

@@ -11,7 +11,9 @@ for Chinese), or from a JSONL file, one query a line::
 are inner products of the same embeddings the retrieval evaluation uses (cosine with
 ``--normalize``); ties are broken as trec_eval does. MAP is over the whole list (trec_eval's
 ``map``), MRR@10 the reciprocal rank of the first positive within the top 10. Command line:
-``retromae-ds eval --rerank [--rerank_negatives N | --candidates FILE]``.
+``retromae-ds eval --rerank.lists [--rerank.negatives N | --rerank.candidates FILE]`` (formerly
+``--rerank``, ``--rerank_negatives``, ``--candidates``). A cross-encoder reranking a first
+stage's top K is ``eval.two_stage``.
 """
 
 from __future__ import annotations

@@ -306,15 +306,8 @@ def evaluate_beir(
         "per_query": {qid: {measure: value}}, "settings", "seconds"}`` (and ``"rerank"``).
     """
     encode_cfg, score_cfg = split_settings(settings)
-    if out_json is not None:
-        check_out(
-            out_json,
-            model=encoder if isinstance(encoder, (str, Path)) else None,
-            beir=None if isinstance(beir_dir, BeirData) else beir_dir,
-        )
     t = time.perf_counter()
-    if score_cfg.cross_encoder is not None:
-        score_cfg.cross_encoder.load()  # a folder that is not one: refused before encoding
+    _refuse_early(out_json, encoder, beir_dir, score_cfg)
     data = beir_dir if isinstance(beir_dir, BeirData) else load_beir(beir_dir, split)
     seconds = {"load": time.perf_counter() - t}
     missing_docs = _warn_missing(data)
@@ -351,6 +344,24 @@ def evaluate_beir(
         with_reranking(result, scores.cross_encoder)
     _report(result, out_json, verbose)
     return result
+
+
+def _refuse_early(
+    out_json: str | Path | None,
+    encoder: str | Path | Encoder,
+    beir_dir: str | Path | BeirData,
+    score_cfg: ScoreSettings,
+) -> None:
+    """What is refused before anything is encoded: an output file that must not be written
+    (``result_file.check_out``), a reranker that is not a cross-encoder (loaded now)."""
+    if out_json is not None:
+        check_out(
+            out_json,
+            model=encoder if isinstance(encoder, (str, Path)) else None,
+            beir=None if isinstance(beir_dir, BeirData) else beir_dir,
+        )
+    if score_cfg.cross_encoder is not None:
+        score_cfg.cross_encoder.load()
 
 
 @dataclass
