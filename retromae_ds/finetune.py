@@ -456,7 +456,9 @@ def _publish_teacher_scores(
     source = cfg.distill.scores or cfg.data.pairs
     digest = pairs_data.source_fingerprint(source)
     if (layout.negatives / handoff.POINTER).exists():
-        first = handoff.load_version(layout.negatives, handoff.published_versions(layout.negatives)[0])
+        first = handoff.load_version(
+            layout.negatives, handoff.published_versions(layout.negatives)[0]
+        )
         if first.manifest.get("teacher_sha256") != digest:
             raise ValueError(
                 f"{source}: the teacher scores changed since this run published them "

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from retromae_ds.finetuning.loss import contrastive_loss
 from retromae_ds.finetuning.distill import (
     PRESETS,
     DistillConfig,
@@ -17,6 +16,7 @@ from retromae_ds.finetuning.distill import (
     distill_loss,
     group_scores,
 )
+from retromae_ds.finetuning.loss import contrastive_loss
 
 B, G, D = 4, 3, 8
 TAU = 0.05

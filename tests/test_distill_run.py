@@ -69,9 +69,7 @@ def _common(tmp_path: Path, tokenizer_dir: Path) -> tuple[list[str], dict]:
 
 
 @pytest.mark.slow
-def test_distillation_run_draws_only_scored_negatives_and_resumes_exactly(
-    tmp_path, tokenizer_dir
-):
+def test_distillation_run_draws_only_scored_negatives_and_resumes_exactly(tmp_path, tokenizer_dir):
     common, scores = _common(tmp_path, tokenizer_dir)
     finetune(tmp_path / "straight", *common)
     straight = metrics(tmp_path / "straight")

@@ -30,7 +30,9 @@ def ce(tmp_path_factory, tokenizer_dir):
 
 
 def test_denoise_drop_writes_the_teacher_scores_and_leaves_out_false_negatives(
-    setup, ce, tmp_path  # noqa: F811
+    setup,  # noqa: F811
+    ce,
+    tmp_path,
 ):
     from retromae_ds.retrieval.cross_encoder import CrossEncoderScorer
 

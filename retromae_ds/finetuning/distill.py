@@ -96,8 +96,7 @@ class DistillConfig:
             raise ValueError("distill.weight and distill.ce_weight must be >= 0")
         if (self.scores or self.teacher) and not self.enabled:
             raise ValueError(
-                "distill.scores and distill.teacher serve a distillation loss: give "
-                "--distill.loss"
+                "distill.scores and distill.teacher serve a distillation loss: give --distill.loss"
             )
         if self.scores and self.teacher:
             raise ValueError("give one teacher: distill.scores (offline) or distill.teacher")
@@ -164,8 +163,7 @@ def distill_loss(
     the teacher's ``teacher_BG`` (column 0 the positive)."""
     if student_BG.shape != teacher_BG.shape:
         raise ValueError(
-            f"teacher scores {tuple(teacher_BG.shape)} for student scores "
-            f"{tuple(student_BG.shape)}"
+            f"teacher scores {tuple(teacher_BG.shape)} for student scores {tuple(student_BG.shape)}"
         )
     student = student_BG.float() / s.student_temperature
     teacher = teacher_BG.detach().float()

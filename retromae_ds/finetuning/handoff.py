@@ -174,9 +174,7 @@ def _list_column(rows: list[np.ndarray], dtype) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
-def _write_arrow(
-    path: Path, negatives: list[np.ndarray], scores: Scores | None = None
-) -> None:
+def _write_arrow(path: Path, negatives: list[np.ndarray], scores: Scores | None = None) -> None:
     columns = [pa.array(np.arange(len(negatives), dtype=np.int32)),
                _list_column(negatives, np.int32)]  # fmt: skip
     schema = NEGATIVES_SCHEMA

@@ -132,7 +132,9 @@ def fit_threshold(mode: str, stats: np.ndarray, labels: np.ndarray) -> dict[str,
     curve = []
     for cut in np.quantile(stats, np.linspace(0, 1, 11)):
         d = detection(stats > cut, labels)
-        curve.append({"cut": round(float(cut), 6), "precision": d["precision"], "recall": d["recall"]})
+        curve.append(
+            {"cut": round(float(cut), 6), "precision": d["precision"], "recall": d["recall"]}
+        )
     return {"value": float(value), **detection(stats > edge, labels), "curve": curve}
 
 

@@ -74,7 +74,6 @@ from retromae_ds.finetuning import handoff
 from retromae_ds.refresher import candidate_pool, embed_shards
 from retromae_ds.refresher.config import RefreshConfig
 from retromae_ds.refresher.publish import Ranking, mine_and_publish
-from retromae_ds.refresher.teacher import teacher_for
 from retromae_ds.refresher.stages import (
     RANKING,
     Group,
@@ -86,6 +85,7 @@ from retromae_ds.refresher.stages import (
     read_json,
     search_stage,
 )
+from retromae_ds.refresher.teacher import teacher_for
 
 # --------------------------------------------------------------------------- guards
 LOCK = ".refresher.lock"

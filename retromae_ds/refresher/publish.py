@@ -26,7 +26,6 @@ from retromae_ds.finetuning import handoff
 from retromae_ds.finetuning.data import TrainingSet
 from retromae_ds.refresher.config import SCORE_FILTERS, MiningConfig, mining_settings
 from retromae_ds.refresher.filters import drop_by_scores
-from retromae_ds.refresher.teacher import OnlineTeacher
 from retromae_ds.refresher.mining import (
     drop_identical,
     drop_likely_positives,
@@ -34,6 +33,7 @@ from retromae_ds.refresher.mining import (
     min_per_query,
     mine,
 )
+from retromae_ds.refresher.teacher import OnlineTeacher
 
 
 @dataclass(frozen=True)
