@@ -15,7 +15,10 @@
 #                         (REFRESHER_NODES, default 0: both share every node)
 #   --refresher-tasks T   with R = 0: T of the allocation's tasks (GPUs) go to the refresher,
 #                         the rest to the trainer (REFRESHER_TASKS, default 1); with R > 0 the
-#                         refresher gets every task of its R nodes
+#                         refresher gets every task of its R nodes; T = 0 (and R = 0): no
+#                         refresher step, the trainer gets every task and runs with
+#                         --refresher none (a cross-encoder, or training on the first
+#                         negatives alone)
 # Other options:
 #   --config FILE         fine-tuning config, YAML/JSON (CONFIG); its `refresh` section
 #                         configures the refresher (the trainer writes RUN/refresh_config.json,
@@ -77,13 +80,17 @@ if [ "$REFRESHER_NODES" -gt 0 ]; then
 else
   TRAIN_HOSTS=("${HOSTS[@]}")
   REFRESH_HOSTS=("${HOSTS[@]}")
-  [ "$REFRESHER_TASKS" -lt "$NTASKS" ] || die "--refresher-tasks $REFRESHER_TASKS leaves no task for the trainer"
+  [ "$REFRESHER_TASKS" -ge 0 ] && [ "$REFRESHER_TASKS" -lt "$NTASKS" ] \
+    || die "--refresher-tasks $REFRESHER_TASKS: from 0 (no refresher step) to $((NTASKS - 1)) (one task left for the trainer)"
   TRAIN_TASKS=$((NTASKS - REFRESHER_TASKS))
   REFRESH_TASKS=$REFRESHER_TASKS
 fi
 join() { local IFS=,; echo "$*"; }
-# the refresher is this job's other step (what --negatives.mine_first waits for)
-trainer=(--run_dir "$RUN_DIR" --checkpoint.resume auto --refresher external)
+# the refresher is this job's other step (what --negatives.mine_first waits for), unless
+# --refresher-tasks 0 asks for none
+REFRESHER=external
+[ "$REFRESH_TASKS" -gt 0 ] || REFRESHER=none
+trainer=(--run_dir "$RUN_DIR" --checkpoint.resume auto --refresher "$REFRESHER")
 [ -n "$CONFIG" ] && trainer=(--config "$CONFIG" "${trainer[@]}")
 trainer+=("${TRAIN_ARGS[@]}")
 echo "$PROG: $(date +%T) job $SLURM_JOB_ID restart $restart: trainer $TRAIN_TASKS task(s) on" \
@@ -103,22 +110,27 @@ TRAIN_PID=$!
 
 # the refresher: waits for the trainer's refresh_config.json (its `refresh` section); USR1
 # is not for it (it holds no state worth a checkpoint)
-MASTER_ADDR=${REFRESH_HOSTS[0]} MASTER_PORT=$((MASTER_PORT + 1)) \
-  srun --exact --nodes="${#REFRESH_HOSTS[@]}" --nodelist="$(join "${REFRESH_HOSTS[@]}")" \
-  --ntasks="$REFRESH_TASKS" --cpus-per-task="$CPUS_PER_TASK" "${GPU_ARGS[@]}" \
-  --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/refresher_%t.log" \
-  bash -c 'trap "" USR1; export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
-    while [ ! -f "$1/refresh_config.json" ]; do sleep 5; done
-    exec "$0" -m retromae_ds.refresh --config "$1/refresh_config.json"' \
-  "${PYTHON:-python}" "$RUN_DIR" &
-REFRESH_PID=$!
+REFRESH_PID=
+if [ "$REFRESH_TASKS" -gt 0 ]; then
+  MASTER_ADDR=${REFRESH_HOSTS[0]} MASTER_PORT=$((MASTER_PORT + 1)) \
+    srun --exact --nodes="${#REFRESH_HOSTS[@]}" --nodelist="$(join "${REFRESH_HOSTS[@]}")" \
+    --ntasks="$REFRESH_TASKS" --cpus-per-task="$CPUS_PER_TASK" "${GPU_ARGS[@]}" \
+    --kill-on-bad-exit=1 --wait=120 --output="$LOG_DIR/refresher_%t.log" \
+    bash -c 'trap "" USR1; export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
+      while [ ! -f "$1/refresh_config.json" ]; do sleep 5; done
+      exec "$0" -m retromae_ds.refresh --config "$1/refresh_config.json"' \
+    "${PYTHON:-python}" "$RUN_DIR" &
+  REFRESH_PID=$!
+fi
 
 wait_trainer
-for _ in $(seq 60); do kill -0 "$REFRESH_PID" 2>/dev/null || break; sleep 1; done
-if kill -0 "$REFRESH_PID" 2>/dev/null; then
-  echo "$PROG: ending the refresher step"
-  kill -TERM "$REFRESH_PID" 2>/dev/null
-  wait "$REFRESH_PID"
+if [ -n "$REFRESH_PID" ]; then
+  for _ in $(seq 60); do kill -0 "$REFRESH_PID" 2>/dev/null || break; sleep 1; done
+  if kill -0 "$REFRESH_PID" 2>/dev/null; then
+    echo "$PROG: ending the refresher step"
+    kill -TERM "$REFRESH_PID" 2>/dev/null
+    wait "$REFRESH_PID"
+  fi
 fi
 
 requeue_on_checkpoint

@@ -380,6 +380,39 @@ FT_MAX_STEPS = 200  # about 10 ms a step here: the trainer would finish before t
 FT_CKPT_EVERY = 10  # has started, were it not held (below)
 
 
+def test_finetune_without_a_refresher_step_trains_a_cross_encoder(
+    one_node, tmp_path, tokenizer_dir
+):
+    """slurm/finetune.sh --refresher-tasks 0: no refresher step, the trainer holds every task
+    and runs with --refresher none, which a cross-encoder needs (it refuses a refresher)."""
+    from helpers_ance import write_synthetic_beir, write_tiny_encoder
+
+    beir = write_synthetic_beir(tmp_path / "beir", num_docs=60, num_queries=20)
+    encoder = write_tiny_encoder(tmp_path / "encoder", tokenizer_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    job = one_node.sbatch(
+        f"--output={run}/slurm-%j.out",
+        *("--nodes=1", "--ntasks=1", "--cpus-per-task=1", "--time=10"),
+        str(REPO / "slurm" / "finetune.sh"),
+        *("--run-dir", str(run), "--refresher-tasks", "0", "--"),
+        "--progress", "false", "--data.beir", str(beir), "--model.init", str(encoder),
+        "--model.kind", "cross_encoder", "--data.q_max_len", "16", "--data.p_max_len", "24",
+        "--micro_batch_size", "4", "--negatives.n_hard", "2", "--max_steps", "3",
+        "--deepspeed.config", '["ds_configs/zero0.json", "ds_configs/fp32.json"]',
+        env={"PYTHON": sys.executable},
+        cwd=REPO,
+    )  # fmt: skip
+    state = one_node.wait(job, timeout=180)
+    assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", explain(run, job)
+    batch_log = job_log(run, job)
+    assert "trainer 1 task(s)" in batch_log and "refresher 0 task(s)" in batch_log, batch_log
+    assert not list((run / "logs" / f"job{job}.0").glob("refresher_*.log"))
+    final = ckpt.latest_complete(run / "checkpoints")
+    assert ckpt.read_marker(final)["step"] == 3
+    assert ckpt.read_marker(final)["model_kind"] == "cross_encoder"
+
+
 def test_finetune_trainer_and_refresher_as_concurrent_steps(one_node, tmp_path, tokenizer_dir):
     """slurm/finetune.sh on 1 node x 2 tasks: 1 trainer task + 1 refresher task, two
     concurrent ``srun --exact`` steps talking through the run folder only."""
