@@ -23,13 +23,17 @@
 #   7. benchmarks/bench_engine.py (BERT-base RetroMAE at 128 x 512, bf16 compute with fp32
 #      master state on every arm: the plain loop, fused AdamW, DeepSpeed ZeRO-0/1/2 with
 #      --autocast and ZeRO-2 with DeepSpeed's bf16 mode; tokens/s, ratio to the plain loop,
-#      device reads per step, peak memory, encoder MFU against 989 TFLOP/s dense bf16).
-# Time limits on a GPU sum to 540 s (575 s with each step's 5 s grace between SIGTERM and
+#      device reads per step, peak memory, encoder MFU against 989 TFLOP/s dense bf16),
+#   8. benchmarks/bench_grad_cache.py --device cuda (issue 57's table on the GPU: peak CUDA
+#      memory and seconds per step at global batch 64, 256, 1,024 and 4,096, with and without
+#      GradCache chunks of 64, a 384-wide 2-layer encoder under bf16 autocast, one process:
+#      a JSON line per arm as it ends, so a cut keeps the finished ones).
+# Time limits on a GPU sum to 540 s (580 s with each step's 5 s grace between SIGTERM and
 # SIGKILL), so one 10-minute device call always returns with every finished step's results.
 # Why each is what it is (the first H200 run, 2026-12-04, docs/benchmarks.md, took 126 s for
 # the tests and was cut at the benchmarks' limits; the e2e limits are estimates, not yet
 # measured on a GPU):
-#   tests 120 s: 126 s in one process; 4 pytest-xdist workers (the cases are independent and
+#   tests 105 s: 126 s in one process; 4 pytest-xdist workers (the cases are independent and
 #     mostly Inductor compilation, on 16 cores) are expected to need half of that.
 #   e2e_pretrain 110 s: preprocessing, then two runs at once on the GPU, then the resume:
 #     each launch ~15 s of start-up (torch, DeepSpeed, CUDA) plus FlexAttention's first
@@ -40,8 +44,10 @@
 #   e2e_eval 50 s: two evals at once; the CPU one encodes ~1,340 abstracts at 128 tokens.
 #   bench_long 60 s: three fresh processes of ~20 s at L = 8,192 (ours for memory and speed,
 #     the plain head for memory); 512 is dropped: its H200 figure is in docs/benchmarks.md.
-#   bench_attention 60 s: three processes (reference, chunked, flex) of ~12 s (the H200 run:
+#   bench_attention 45 s: three processes (reference, chunked, flex) of ~12 s (the H200 run:
 #     12 processes in 150 s); 512, 2,048 and the window rule are in docs/benchmarks.md.
+#   bench_grad_cache 30 s: one process (~15 s of imports and CUDA start-up), eight engines of a
+#     tiny model, a warm-up and one timed step each.
 #   bench_engine 60 s: six arms in one process, each a warm-up and a timed window of 5 steps
 #     of 65k tokens (~0.4 s a step at 40 % MFU) plus the engine's set-up (~3 s): ~45 s.
 # In --cpu-smoke mode (CI: tests/test_gpu_check.py) the e2e steps run the same commands on
@@ -86,7 +92,7 @@ fi
 if [ "$MODE" = gpu ]; then
     DEVICE=cuda
     export DS_ACCELERATOR=cuda
-    T_TESTS=120 T_PRETRAIN=110 T_FINETUNE=80 T_EVAL=50 T_LONG=60 T_ATTN=60 T_TRAIN=60
+    T_TESTS=105 T_PRETRAIN=110 T_FINETUNE=80 T_EVAL=50 T_LONG=60 T_ATTN=45 T_TRAIN=60 T_GC=30
 else
     DEVICE=cpu
     export DS_ACCELERATOR=cpu
@@ -214,8 +220,16 @@ if [ "$MODE" = gpu ]; then
         --arms plain plain-fused zero0 zero1 zero2 zero2-ds-bf16 \
         --json "$RESULTS/engine_bf16.json" 2>&1 | tee "$RESULTS/engine_bf16.txt"
     bench bench_engine "$T_TRAIN" "${PIPESTATUS[0]}" "$t0"
+
+    echo "== GradCache benchmark (global batch 64 to 4,096, with and without the cache)"
+    t0=$SECONDS
+    arms=$(for b in 64 256 1024 4096; do printf '%s:0,%s:64,' "$b" "$b"; done)
+    timeout -k 5 "$T_GC" "$PY" benchmarks/bench_grad_cache.py --child --device cuda \
+        --arms "${arms%,}" --hidden 384 --loss-chunk 64 --steps 1 --bf16 2>&1 \
+        | tee "$RESULTS/grad_cache.txt"
+    bench bench_grad_cache "$T_GC" "${PIPESTATUS[0]}" "$t0"
 else
-    record "SKIP bench_long bench_attention bench_engine: GPU figures only" \
+    record "SKIP bench_long bench_attention bench_engine bench_grad_cache: GPU figures only" \
         "(tests/test_benchmarks.py runs each at toy size on CPU)"
 fi
 

@@ -260,6 +260,22 @@ def test_bench_grad_cache_runs_both_arms_in_their_own_processes(tmp_path):
         assert r["peak_mb"] >= r["base_mb"] > 0 and r["s_per_step"] > 0, r
 
 
+def test_bench_grad_cache_gpu_mode_runs_every_arm_in_one_process_here_on_cpu(tmp_path):
+    """The loop ``--device cuda`` runs (``scripts/gpu_check.sh``): every (batch, arm) one
+    engine after another in one child; here on CPU (no GPU), the same code path."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_grad_cache.py"), "--child",
+         "--device", "cpu", "--arms", "8:0,8:4,16:4", "--loss-chunk", "4", "--steps", "1",
+         "--bf16"],
+        cwd=REPO / "retromae_ds", capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [(r["batch"], r["chunk"]) for r in rows] == [(8, 0), (8, 4), (16, 4)]
+    assert all(r["s_per_step"] > 0 for r in rows)
+
+
 def test_bench_mine_smoke_runs_ours_and_sentence_transformers_on_the_same_embeddings(tmp_path):
     """Issue 57's mining benchmark (benchmarks/bench_mine.py) at 2,000 passages and 50
     queries: ``retromae-ds mine`` and sentence-transformers' ``mine_hard_negatives`` (and its
