@@ -179,3 +179,13 @@ def test_rerank_section_and_old_names_in_a_config_file():
     cfg = from_dict(EvalConfig, new)
     assert (cfg.rerank.model, cfg.rerank.depth, cfg.rerank.negatives) == ("ce", 9, 3)
     assert not cfg.rerank.lists
+
+
+def test_a_cross_encoder_given_as_the_model_to_embed_is_refused(folders, capsys):
+    beir, _, ce = folders
+    code = main(["eval", "--model", str(ce), "--beir", str(beir), "--split", "train",
+                 "--progress", "false"])  # fmt: skip
+    assert code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "a cross-encoder scores (query, passage) pairs and embeds nothing" in last
+    assert str(ce) in last

@@ -353,7 +353,10 @@ def _refuse_early(
     score_cfg: ScoreSettings,
 ) -> None:
     """What is refused before anything is encoded: an output file that must not be written
-    (``result_file.check_out``), a reranker that is not a cross-encoder (loaded now)."""
+    (``result_file.check_out``), a cross-encoder given as the model to embed with, a
+    reranker that is not a cross-encoder (loaded now)."""
+    if isinstance(encoder, (str, Path)):
+        _refuse_a_cross_encoder(encoder)
     if out_json is not None:
         check_out(
             out_json,
@@ -362,6 +365,23 @@ def _refuse_early(
         )
     if score_cfg.cross_encoder is not None:
         score_cfg.cross_encoder.load()
+
+
+def _refuse_a_cross_encoder(model: str | Path) -> None:
+    """A cross-encoder given as the model to embed with is refused in one line (a path that
+    does not resolve is left to the loader's own error)."""
+    from retromae_ds.components.checkpoint import resolve_encoder
+    from retromae_ds.retrieval.cross_encoder import is_cross_encoder
+
+    try:
+        folder = resolve_encoder(model)
+    except (OSError, ValueError):
+        return
+    if (Path(folder) / "config.json").is_file() and is_cross_encoder(folder):
+        raise ValueError(
+            f"{folder}: a cross-encoder scores (query, passage) pairs and embeds nothing: give "
+            "it as --rerank.model over a first stage (--model bm25 or a dense model)"
+        )
 
 
 @dataclass
