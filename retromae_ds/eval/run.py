@@ -353,10 +353,7 @@ def _refuse_early(
     score_cfg: ScoreSettings,
 ) -> None:
     """What is refused before anything is encoded: an output file that must not be written
-    (``result_file.check_out``), a cross-encoder given as the model to embed with, a
-    reranker that is not a cross-encoder (loaded now)."""
-    if isinstance(encoder, (str, Path)):
-        _refuse_a_cross_encoder(encoder)
+    (``result_file.check_out``), a reranker that is not a cross-encoder (loaded now)."""
     if out_json is not None:
         check_out(
             out_json,
@@ -367,21 +364,17 @@ def _refuse_early(
         score_cfg.cross_encoder.load()
 
 
-def _refuse_a_cross_encoder(model: str | Path) -> None:
-    """A cross-encoder given as the model to embed with is refused in one line (a path that
-    does not resolve is left to the loader's own error)."""
-    from retromae_ds.components.checkpoint import resolve_encoder
+def _not_a_cross_encoder(towers: Towers) -> Towers:
+    """``towers``, unless their folder is a cross-encoder: one line, it embeds nothing."""
     from retromae_ds.retrieval.cross_encoder import is_cross_encoder
 
-    try:
-        folder = resolve_encoder(model)
-    except (OSError, ValueError):
-        return
-    if (Path(folder) / "config.json").is_file() and is_cross_encoder(folder):
+    if (towers.passage / "config.json").is_file() and is_cross_encoder(towers.passage):
         raise ValueError(
-            f"{folder}: a cross-encoder scores (query, passage) pairs and embeds nothing: give "
-            "it as --rerank.model over a first stage (--model bm25 or a dense model)"
+            f"{towers.passage}: a cross-encoder scores (query, passage) pairs and embeds "
+            "nothing: give it as --rerank.model over a first stage (--model bm25 or a dense "
+            "model)"
         )
+    return towers
 
 
 @dataclass
@@ -536,8 +529,13 @@ def resolve(
         towers, (encoder, query_tower, spec) = load_newest(
             encoder,
             lambda found: load_towers(
-                found, pooling, normalize, requested, queries=query_encoder is None, **load
-            ),
+                _not_a_cross_encoder(found),
+                pooling,
+                normalize,
+                requested,
+                queries=query_encoder is None,
+                **load,
+            ),  # fmt: skip
         )
         query_encoder = query_encoder or query_tower
         pooling, normalize = spec.pooling, spec.normalize
