@@ -20,7 +20,7 @@ from retromae_ds.base import config as config_module
 from retromae_ds.base.config import to_dict
 from retromae_ds.base.options import build_config, leaves, parse_command
 from retromae_ds.pretrain import PretrainConfig
-from retromae_recipes import batch_effect, finetune, knobs, study
+from retromae_recipes import batch_effect, finetune, knobs, study, teacher
 from retromae_recipes.batch_effect import EffectOptions
 from retromae_recipes.finetune import RecipeConfig, RecipeOptions, recipe_config
 from retromae_recipes.knobs import KnobsOptions
@@ -32,6 +32,7 @@ from retromae_recipes.study_config import (
     gpu_config,
     quick_config,
 )
+from retromae_recipes.teacher import TeacherOptions
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {
@@ -39,15 +40,18 @@ RECIPES = {
     "scripts/knobs.py": KnobsOptions,
     "scripts/finetune_scifact.py": RecipeOptions,
     "scripts/batch_effect.py": EffectOptions,
+    "scripts/teacher_study.py": TeacherOptions,
 }
 MAINS = {
     StudyOptions: study.main,
     KnobsOptions: knobs.main,
     RecipeOptions: finetune.main,
     EffectOptions: batch_effect.main,
+    TeacherOptions: teacher.main,
 }
 SCRIPT = re.compile(
-    r"^(?:python\s+)?(scripts/(?:study|knobs|finetune_scifact|batch_effect)\.py)\b(.*)$", re.S
+    r"^(?:python\s+)?(scripts/(?:study|knobs|finetune_scifact|batch_effect|teacher_study)\.py)\b(.*)$",
+    re.S,
 )
 
 
@@ -83,7 +87,7 @@ def _built(cls: type, opts: object) -> object:
     if cls is KnobsOptions:
         base = build_config(PretrainConfig, None, ["--data.shards", "s", "--max_steps", "9"])
         return knobs.with_settings(base, opts.set)
-    if cls is EffectOptions:
+    if cls in (EffectOptions, TeacherOptions):
         return opts  # the options are the experiment's config; building it writes the task
     return recipe_config(dataclasses.replace(opts, builtin_task=False))
 
