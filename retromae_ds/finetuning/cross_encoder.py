@@ -224,7 +224,7 @@ def save_cross_encoder(
     """Write ``folder/encoder`` from a full state dict of ``model`` (DeepSpeed's
     consolidated one): a folder sentence-transformers' ``CrossEncoder`` loads (see the
     module doc)."""
-    from retromae_ds.finetuning.model import _record_dtype
+    from retromae_ds.finetuning.model import record_dtype
     from retromae_ds.hf.util import quiet_transformers
 
     out = folder / ENCODER
@@ -232,7 +232,7 @@ def save_cross_encoder(
     model.model.config.sentence_transformers = dict(ST_ACTIVATION)
     with quiet_transformers():
         model.model.save_pretrained(str(out), state_dict=weights, safe_serialization=True)
-        _record_dtype(out / "config.json", weights)
+        record_dtype(out / "config.json", weights)
         tokenizer.model_max_length = record["max_length"]
         tokenizer.save_pretrained(str(out))
     (out / CROSS_ENCODER_FILE).write_text(json.dumps(record, indent=2) + "\n")

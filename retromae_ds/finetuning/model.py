@@ -221,7 +221,7 @@ def save_encoders(
         }
         out = folder / sub_folder
         tower.save_pretrained(str(out), state_dict=sub, safe_serialization=True)
-        _record_dtype(out / "config.json", sub)
+        record_dtype(out / "config.json", sub)
         tokenizer.save_pretrained(str(out))
         sbert.write_files(
             out,
@@ -239,7 +239,7 @@ def save_encoders(
         (out / sbert.DUAL_ENCODER_FILE).write_text(json.dumps(settings, indent=2))
 
 
-def _record_dtype(config_file: Path, state: dict[str, torch.Tensor]) -> None:
+def record_dtype(config_file: Path, state: dict[str, torch.Tensor]) -> None:
     """Make ``config.json`` name the dtype of the weights written (a bf16 run's tower is
     bf16 while its saved weights are the fp32 master copies), so loaders do not cast them
     down."""
