@@ -66,7 +66,9 @@ from retromae_ds.data.pairs_records import (
 )
 from retromae_ds.data.sources import InputError, text_lines
 
-LINE_FORMATS = ("retromae", "hofstatter")
+QID_DID_SCORE = "retromae"
+"""RetroMAE's ``qid did score`` lines: the format's name (also what the writer writes)."""
+LINE_FORMATS = (QID_DID_SCORE, "hofstatter")
 PAIRS_FORMATS = ("flagembedding", "st", "tevatron", "mined")
 FORMATS = (*LINE_FORMATS, "simlm", *PAIRS_FORMATS)
 KNOWN = (
@@ -134,7 +136,7 @@ def _columns(line: str) -> list[str]:
 
 
 def _line_entries(path: Path, format: str) -> Iterator[_Entry]:
-    names = ("qid", "did", "score") if format == "retromae" else _HOFSTATTER
+    names = ("qid", "did", "score") if format == QID_DID_SCORE else _HOFSTATTER
     for line_no, line in text_lines(path):
         if not line.strip():
             continue
@@ -144,12 +146,12 @@ def _line_entries(path: Path, format: str) -> Iterator[_Entry]:
             raise InputError(
                 f"{where}: {len(cols)} columns, a {format} line has {len(names)} "
                 f"({' '.join(names)})"
-                + (": missing score" if len(cols) == 2 and format == "retromae" else "")
+                + (": missing score" if len(cols) == 2 and format == QID_DID_SCORE else "")
             )
         for name, col in zip(names, cols, strict=True):
             if not col:
                 raise InputError(f"{where}: field {name!r} is empty")
-        if format == "retromae":
+        if format == QID_DID_SCORE:
             yield _Entry(where, cols[0], "qid", cols[1], "did", _number(cols[2], where, "score"))
         else:
             pos, neg = _number(cols[0], where, "pos_score"), _number(cols[1], where, "neg_score")
@@ -278,7 +280,7 @@ def detect_format(path: str | Path) -> str:
             return "st"
     cols = _columns(line)
     if len(cols) == 3 and _looks_number(cols[2]):
-        return "retromae"
+        return QID_DID_SCORE
     if len(cols) == 5 and _looks_number(cols[0]) and _looks_number(cols[1]):
         return "hofstatter"
     raise InputError(
@@ -368,13 +370,13 @@ def read_teacher_scores(
 
 # --------------------------------------------------------------------------- writing
 def write_teacher_scores(
-    path: str | Path, scores: Mapping[str, Mapping[str, float]], format: str = "retromae"
+    path: str | Path, scores: Mapping[str, Mapping[str, float]], format: str = QID_DID_SCORE
 ) -> int:
     """Write ``scores`` (``{qid: {did: score}}``) as RetroMAE's ``qid<TAB>did<TAB>score``
     lines through one temporary file renamed into place; the number of lines. Scores are
     written with ``repr`` (read back exactly); an id holding whitespace, or a score that is
     not finite, is a ``ValueError`` and nothing is written."""
-    if format != "retromae":
+    if format != QID_DID_SCORE:
         raise ValueError(f"teacher scores are written as 'retromae' lines, not {format!r}")
     lines = 0
     with atomic_open(path, "w") as f:
