@@ -364,17 +364,11 @@ def _detect(path: Path) -> str:
     first = next(json_records(path), None)
     if first is None:
         return "st"  # an empty file: no examples in any format
-    keys = set(first[1])
-    if keys & {"positive_passages", "positive_document_ids"}:
-        return "tevatron"
-    if {"query", "pos"} <= keys:
-        return "flagembedding"
-    if {"query_id", "positives"} <= keys:
-        return "mined"
-    if len(keys) >= 2 and not any(isinstance(v, dict) for v in first[1].values()):
-        return "st"
+    found = format_of_record(first[1])
+    if found is not None:
+        return found
     raise InputError(
-        f"{first[0]}: cannot tell the format of this record (keys {sorted(keys)}); "
+        f"{first[0]}: cannot tell the format of this record (keys {sorted(first[1])}); "
         f"known formats: {KNOWN}"
     )
 
@@ -429,3 +423,18 @@ def _stream(
     finally:
         if owned and corpus is not None:
             corpus.close()
+
+
+def format_of_record(record: dict[str, Any]) -> str | None:
+    """The pairs format a jsonl record's keys say (tevatron, flagembedding, mined, st), or
+    None: what ``--pairs_format auto`` and the teacher-score files' detection both read."""
+    keys = set(record)
+    if keys & {"positive_passages", "positive_document_ids"}:
+        return "tevatron"
+    if {"query", "pos"} <= keys:
+        return "flagembedding"
+    if {"query_id", "positives"} <= keys:
+        return "mined"
+    if len(keys) >= 2 and not any(isinstance(v, dict) for v in record.values()):
+        return "st"
+    return None

@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 from retromae_ds.base.fsutil import atomic_open, sha256_file
 from retromae_ds.data.pairs import read_examples
+from retromae_ds.data.pairs_read import format_of_record
 from retromae_ds.data.pairs_records import (
     json_records,
     kind_of,
@@ -267,17 +268,11 @@ def detect_format(path: str | Path) -> str:
         except json.JSONDecodeError as exc:
             raise InputError(f"{where}: not valid JSON ({exc.msg})") from None
         record = record if isinstance(record, dict) else {}
-        keys = set(record)
         if isinstance(record.get("positives"), dict) and "doc_id" in record["positives"]:
             return "simlm"
-        if keys & {"positive_passages", "positive_document_ids"}:
-            return "tevatron"
-        if {"query", "pos"} <= keys:
-            return "flagembedding"
-        if {"query_id", "positives"} <= keys:
-            return "mined"
-        if len(keys) >= 2 and not any(isinstance(v, dict) for v in record.values()):
-            return "st"
+        found = format_of_record(record)
+        if found is not None:
+            return found
     cols = _columns(line)
     if len(cols) == 3 and _looks_number(cols[2]):
         return QID_DID_SCORE
