@@ -151,7 +151,8 @@ class TeacherOptions:
     precision: str = flag("bf16", choices=("bf16", "fp32"))
     """Training precision (ds_configs/PRECISION.json)."""
     eval_bf16: bool = True
-    """Encode for evaluation and mining under bf16 autocast."""
+    """Encode for evaluation and mining, and score with the cross-encoders, under bf16
+    autocast."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("tasks", TASKS), ("arms", ARMS)):
@@ -210,6 +211,7 @@ class TeacherStudy:
                 mining=MiningConfig(top_k=o.top_k, num_negatives=o.num_negatives, seed=seed),
                 threads=o.refresh_threads, cache_dir=str(self.out / task.name / "embedding_cache"),
                 bf16=o.eval_bf16, bf16_cpu=o.eval_bf16, progress=False,
+                teacher_bf16=o.eval_bf16,
             ),
             optim=OptimConfig(lr=o.lr, warmup_ratio=RecipeConfig.warmup_ratio),
             checkpoint=CheckpointConfig(every_steps=o.steps, keep_last=1),
@@ -288,6 +290,7 @@ class TeacherStudy:
             range_max=o.top_k, sampling_strategy="random", seed=seed, device="cpu",
             bf16=o.eval_bf16, max_length=o.mine_max_length, progress=False, cache_dir=str(self.out / task.name / "mine_cache"),
             cross_encoder=str(self.ce(task, "minilm", seed)), ce_batch_size=o.ce_batch_size,
+            ce_bf16=o.eval_bf16,
         )  # fmt: skip
         if kind == "holdout":
             assert task.multi is not None
@@ -333,7 +336,8 @@ class TeacherStudy:
 
         o = self.opts
         stage = CrossEncoderStage(model=str(ce), depth=o.rerank_depth,
-                                  batch_size=o.ce_batch_size, device="cpu")  # fmt: skip
+                                  batch_size=o.ce_batch_size, device="cpu",
+                                  bf16=o.eval_bf16)  # fmt: skip
         key = (str(task.beir), "test")
         if key not in self._loaded:
             self._loaded[key] = load_beir(task.beir, "test")

@@ -275,3 +275,10 @@ def test_online_teacher_scores_every_negative_the_trainer_draws(tmp_path, tokeni
     want = CrossEncoderScorer.from_dir(ce, device="cpu")(q_texts, p_texts)
     assert len(got) == 4 * 4 * 3  # every drawn positive and negative of the 4 steps
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # refresh.teacher_bf16 reaches the online teacher's scorer (this run's scored in fp32)
+    from retromae_ds.refresher.config import RefreshConfig
+    from retromae_ds.refresher.teacher import teacher_for
+
+    assert first["teacher"]["bf16"] is False
+    low = teacher_for(RefreshConfig(teacher=str(ce), teacher_bf16=True), ts, device="cpu")
+    assert low is not None and low.scorer.record()["bf16"] is True

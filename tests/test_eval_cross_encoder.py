@@ -189,3 +189,24 @@ def test_a_cross_encoder_given_as_the_model_to_embed_is_refused(folders, capsys)
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "a cross-encoder scores (query, passage) pairs and embeds nothing" in last
     assert str(ce) in last
+
+
+def test_bf16_scoring_is_autocast_close_to_fp32_and_said_in_the_record(folders):
+    """``--rerank.bf16`` (and ``mine --ce_bf16``, ``refresh.teacher_bf16``: the same
+    ``CrossEncoderScorer`` field) scores under bf16 autocast: the logits differ from fp32's
+    (the autocast is applied) but only in the low digits, and the record says bf16."""
+    from retromae_ds.retrieval.cross_encoder import CrossEncoderScorer
+
+    beir, _, ce = folders
+    cfg = build_config(EvalConfig, None, ["--model", "m", "--beir", str(beir),
+                                          "--rerank.model", str(ce), "--rerank.bf16"])  # fmt: skip
+    scorer = cfg.cross_encoder().load()
+    assert scorer.bf16 and scorer.record()["bf16"] is True
+    fp32 = CrossEncoderScorer.from_dir(ce, device="cpu")
+    assert fp32.record()["bf16"] is False
+    queries = ["a query", "another longer query about encoders", "q"] * 4
+    passages = [f"passage {'word ' * i} about encoders" for i in range(12)]
+    low, full = scorer(queries, passages), fp32(queries, passages)
+    assert not np.array_equal(low, full)
+    spread = float(full.max() - full.min())
+    np.testing.assert_allclose(low, full, atol=0.05 * max(spread, 1.0))

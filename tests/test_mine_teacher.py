@@ -75,7 +75,13 @@ def test_relabel_and_drop_query(setup, ce, tmp_path):  # noqa: F811
     qrels = _qrels(beir)
     extra = sum(len({p["id"] for p in r["positives"]} - qrels[r["query_id"]]) for r in rel)
     assert extra == m_rel["denoise"]["relabelled"] == m_rel["denoise"]["flagged"] > 0
-    m_q, dropq = _mine(tmp_path / "q", model, *common, "--denoise_action", "drop_query")
+    m_q, dropq = _mine(
+        tmp_path / "q", model, *common, "--denoise_action", "drop_query", "--ce_bf16"
+    )
+    assert (m_rel["cross_encoder"]["bf16"], m_q["cross_encoder"]["bf16"]) == (
+        False,
+        True,
+    )
     assert len(dropq) == 80 - m_q["denoise"]["queries_flagged"] == 80 - m_q["denoise"][
         "queries_dropped"]  # fmt: skip
     assert m_q["denoise"]["queries_dropped"] > 0

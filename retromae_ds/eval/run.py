@@ -668,7 +668,7 @@ class EvalConfig:
             return None
         return CrossEncoderStage(
             r.model, depth=r.depth, batch_size=r.batch_size, max_length=r.max_length,
-            device=self.device,
+            device=self.device, bf16=r.bf16,
         )  # fmt: skip
 
     @staticmethod

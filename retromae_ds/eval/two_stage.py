@@ -57,6 +57,9 @@ class RerankConfig:
     """Pairs per forward pass of the cross-encoder."""
     max_length: int | None = None
     """Tokens per pair (none: the cross-encoder's own, its tokenizer's model_max_length)."""
+    bf16: bool = False
+    """Score under bf16 autocast: about 2× the pairs per second on a CPU with AMX or
+    AVX512-BF16 (and on CUDA); the logits move in the second or third digit."""
     lists: bool = False
     """Also rank each query's candidate list (positives + rerank.negatives BM25 negatives,
     or rerank.candidates) by the dense model's embeddings: MAP, MRR@10 (C-MTEB's reranking
@@ -87,6 +90,7 @@ class CrossEncoderStage:
     batch_size: int = 32
     max_length: int | None = None
     device: str = "auto"
+    bf16: bool = False
     scorer: CrossEncoderScorer | None = field(default=None, repr=False)
 
     def load(self) -> CrossEncoderScorer:
@@ -95,7 +99,7 @@ class CrossEncoderStage:
         if self.scorer is None:
             self.scorer = CrossEncoderScorer.from_dir(
                 self.model, device=self.device, max_length=self.max_length,
-                batch_size=self.batch_size,
+                batch_size=self.batch_size, bf16=self.bf16,
             )  # fmt: skip
             if self.max_length and self.scorer.capped_by:
                 print(

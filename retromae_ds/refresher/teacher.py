@@ -39,12 +39,13 @@ class OnlineTeacher:
         device: str = "auto",
         batch_size: int = 64,
         max_length: int | None = None,
+        bf16: bool = False,
     ) -> None:
         from retromae_ds.retrieval.beir import load_corpus, load_queries
         from retromae_ds.retrieval.cross_encoder import CrossEncoderScorer
 
         self.scorer = CrossEncoderScorer.from_dir(
-            folder, device=device, max_length=max_length, batch_size=batch_size
+            folder, device=device, max_length=max_length, batch_size=batch_size, bf16=bf16
         )
         ready = json.loads((ts.corpus.folder.parent / ance_data.READY).read_text())
         beir = Path(ready["beir"])
@@ -96,6 +97,6 @@ def teacher_for(cfg: Any, ts: TrainingSet, device: str = "auto") -> OnlineTeache
     if key not in _LOADED:
         _LOADED[key] = OnlineTeacher(
             cfg.teacher, ts, device=device, batch_size=cfg.teacher_batch_size,
-            max_length=cfg.teacher_max_length,
+            max_length=cfg.teacher_max_length, bf16=cfg.teacher_bf16,
         )  # fmt: skip
     return _LOADED[key]

@@ -85,10 +85,13 @@ def score_pairs(
     *,
     batch_size: int = 32,
     max_length: int = DEFAULT_MAX_LENGTH,
+    bf16: bool = False,
 ) -> np.ndarray:
     """float32 ``[N]``: the logit of each (query, passage) pair, pair i from
     ``query_texts[i]`` and ``passage_texts[i]``. Pairs are batched longest first (less
-    padding; the order of the result is the input's)."""
+    padding; the order of the result is the input's). ``bf16``: the forward passes run under
+    bf16 autocast (about 2× the pairs per second on a CPU with AMX or AVX512-BF16; the
+    logits move in the second or third digit)."""
     if len(query_texts) != len(passage_texts):
         raise ValueError(f"{len(query_texts)} queries for {len(passage_texts)} passages")
     device = next(model.parameters()).device
@@ -103,7 +106,8 @@ def score_pairs(
         inputs = pair_inputs(
             tokenizer, [query_texts[i] for i in rows], [passage_texts[i] for i in rows], max_length
         )
-        logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(**{k: v.to(device) for k, v in inputs.items()}).logits
         out[rows] = logits.view(len(rows), -1)[:, 0].float().cpu().numpy()
     model.train(was_training)
     return out
@@ -119,6 +123,7 @@ class CrossEncoderScorer:
     folder: Path
     max_length: int
     batch_size: int = 32
+    bf16: bool = False
     pairs: int = 0
     seconds: float = 0.0
     capped_by: str | None = field(default=None)
@@ -131,6 +136,7 @@ class CrossEncoderScorer:
         device: str = "auto",
         max_length: int | None = None,
         batch_size: int = 32,
+        bf16: bool = False,
     ) -> CrossEncoderScorer:
         """Load the cross-encoder ``path`` names (a folder, a checkpoint, a run folder);
         ``max_length`` none: the tokenizer's ``model_max_length`` (what sentence-transformers
@@ -157,13 +163,13 @@ class CrossEncoderScorer:
         capped_by = None
         if isinstance(positions, int) and positions < length:
             length, capped_by = positions, "the model's position embeddings"
-        return cls(model, tokenizer, folder, length, batch_size, capped_by=capped_by)
+        return cls(model, tokenizer, folder, length, batch_size, bf16, capped_by=capped_by)
 
     def __call__(self, query_texts: Sequence[str], passage_texts: Sequence[str]) -> np.ndarray:
         t = time.perf_counter()
         scores = score_pairs(
             self.model, self.tokenizer, query_texts, passage_texts,
-            batch_size=self.batch_size, max_length=self.max_length,
+            batch_size=self.batch_size, max_length=self.max_length, bf16=self.bf16,
         )  # fmt: skip
         self.seconds += time.perf_counter() - t
         self.pairs += len(scores)
@@ -179,6 +185,7 @@ class CrossEncoderScorer:
             "model": str(self.folder),
             "max_length": self.max_length,
             "batch_size": self.batch_size,
+            "bf16": self.bf16,
             "device": str(self.device),
             "pairs": self.pairs,
             "seconds": round(self.seconds, 3),
