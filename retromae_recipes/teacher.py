@@ -126,8 +126,15 @@ class TeacherOptions:
     """Queries per WikiText paragraph (1: ~1,300 train queries; 0: as many as fit)."""
     mine_max_length: int | None = None
     """Tokens per text when ``mine`` encodes (none: the encoder's own, 256 for MiniLM)."""
-    ce_steps: int = 200
-    """Cross-encoder training steps."""
+    ce_steps: int = 1000
+    """Cross-encoder training steps (chosen by the curve: ``ce_curve_every``)."""
+    ce_seed: int | None = 0
+    """The one seed every cross-encoder trains with: one teacher per collection and start,
+    shared by the bi-encoder seeds (none: a teacher per seed)."""
+    ce_curve_every: int = 200
+    """Keep the cross-encoder's checkpoint every this many steps and rerank BM25's top
+    ``rerank_depth`` on the validation split with each: the teacher's budget curve (0: no
+    curve; the last checkpoint is the teacher either way)."""
     ce_batch: int = 8
     """Queries per cross-encoder step, each with its positive and n_hard negatives."""
     ce_lr: float = 3e-5
@@ -228,9 +235,14 @@ class TeacherStudy:
             checkpoint=CheckpointConfig(every_steps=every, keep_last=1),
         )  # fmt: skip
 
+    def ce_seed(self, seed: int) -> int:
+        return seed if self.opts.ce_seed is None else self.opts.ce_seed
+
     def ce_config(self, task: Task, start: str, seed: int) -> FinetuneConfig:
+        seed = self.ce_seed(seed)
         o, run = self.opts, self.out / task.name / "runs" / f"ce_{start}_s{seed}"
         cfg = self._base(task, run, seed)
+        every = o.ce_curve_every if 0 < o.ce_curve_every < o.ce_steps else o.ce_steps
         return replace(
             cfg, max_steps=o.ce_steps, micro_batch_size=o.ce_batch,
             log_every=max(1, min(10, o.ce_steps // 5)),
@@ -238,7 +250,7 @@ class TeacherStudy:
                          prepared=str(self.out / task.name / f"prepared_ce_{start}")),
             model=DualModelConfig(init=str(self.starts[start]), kind="cross_encoder"),
             optim=OptimConfig(lr=o.ce_lr, warmup_ratio=RecipeConfig.warmup_ratio),
-            checkpoint=CheckpointConfig(every_steps=o.ce_steps, keep_last=1),
+            checkpoint=CheckpointConfig(every_steps=every, keep_last=-(-o.ce_steps // every)),
         )  # fmt: skip
 
     def arm_config(self, task: Task, arm: str, seed: int) -> FinetuneConfig:
@@ -322,9 +334,11 @@ class TeacherStudy:
             path, model, task.beir, "test", self._loaded, bf16=self.opts.eval_bf16
         )
 
-    def reranked(self, task: Task, name: str, first: Path | str, ce: Path) -> dict[str, Any]:
-        """``first`` (a bi-encoder, or ``bm25``) reranked by ``ce`` at ``rerank_depth``:
-        ``metrics`` reranked, ``first_stage``, ``cross_encoder`` (pairs/s); cached."""
+    def reranked(
+        self, task: Task, name: str, first: Path | str, ce: Path, split: str = "test"
+    ) -> dict[str, Any]:
+        """``first`` (a bi-encoder, or ``bm25``) reranked by ``ce`` at ``rerank_depth`` on
+        ``split``: ``metrics`` reranked, ``first_stage``, ``cross_encoder`` (pairs/s); cached."""
         path = self.out / task.name / "eval" / f"{name}.json"
         if path.is_file():
             return json.loads(path.read_text())
@@ -338,21 +352,38 @@ class TeacherStudy:
         stage = CrossEncoderStage(model=str(ce), depth=o.rerank_depth,
                                   batch_size=o.ce_batch_size, device="cpu",
                                   bf16=o.eval_bf16)  # fmt: skip
-        key = (str(task.beir), "test")
+        key = (str(task.beir), split)
         if key not in self._loaded:
-            self._loaded[key] = load_beir(task.beir, "test")
+            self._loaded[key] = load_beir(task.beir, split)
         if first == BM25:
-            result = evaluate_bm25_beir(self._loaded[key], "test", measures=MEASURES,
+            result = evaluate_bm25_beir(self._loaded[key], split, measures=MEASURES,
                                         cross_encoder=stage)  # fmt: skip
         else:
             result = evaluate_beir(
-                first, self._loaded[key], "test", measures=MEASURES, device="cpu",
+                first, self._loaded[key], split, measures=MEASURES, device="cpu",
                 amp_dtype=torch.bfloat16 if o.eval_bf16 else None, progress=False,
                 verbose=False, cross_encoder=stage,
             )  # fmt: skip
         row = {k: result[k] for k in ("metrics", "first_stage", "cross_encoder", "seconds")}
         write_json(row, path)
         return row
+
+    def ce_curve(self, task: Task, start: str, seed: int) -> list[dict[str, Any]]:
+        """The teacher's budget curve: BM25's top ``rerank_depth`` on the validation split
+        reranked by each kept checkpoint of the cross-encoder (step 0: BM25 alone)."""
+        from retromae_ds.components.checkpoint import STEP_DIR, complete_checkpoints
+        from retromae_ds.eval.two_stage import BM25
+
+        run, seed = self.ce(task, start, seed), self.ce_seed(seed)
+        points: list[dict[str, Any]] = []
+        for ckpt in complete_checkpoints(run / "checkpoints"):
+            step = int(STEP_DIR.match(ckpt.name).group(1))
+            r = self.reranked(task, f"curve_ce_{start}_s{seed}_step{step}", BM25,
+                              ckpt / "encoder", split="dev")  # fmt: skip
+            if not points:
+                points.append({"step": 0, "metrics": r["first_stage"]["metrics"]})
+            points.append({"step": step, "metrics": r["metrics"]})
+        return points
 
     def bm25(self, task: Task) -> dict[str, Any]:
         path = self.out / task.name / "eval" / "bm25.json"
@@ -372,7 +403,8 @@ class TeacherStudy:
         dense = self.arm(task, "ance", seed) if "ance" in self.opts.arms else None
         for start in self.starts:
             ce = self.ce(task, start, seed)
-            common = {"task": task.name, "seed": seed, "ce": start, "train_s": run_seconds(ce)}
+            common = {"task": task.name, "seed": seed, "ce": start, "train_s": run_seconds(ce),
+                      "ce_seed": self.ce_seed(seed)}  # fmt: skip
             r = self.reranked(task, f"bm25_ce_{start}_s{seed}", BM25, ce)
             rows.append({**common, "row": f"bm25+ce_{start}", **r})
             if dense is not None:
@@ -398,12 +430,16 @@ class TeacherStudy:
         from retromae_recipes.teacher_report import write_report
 
         t0 = time.perf_counter()
-        rows, fixed = [], {}
+        rows, fixed, curves = [], {}, {}
         for task in self.tasks:
             fixed[task.name] = {"bm25": self.bm25(task)["metrics"],
                                 "init": self.evaluate(task, "init", self.init)["metrics"]}  # fmt: skip
             for seed in self.opts.seeds:
                 rows += self.one_seed(task, seed)
+                if self.opts.ce_curve_every:
+                    for start in self.starts:
+                        key = f"{task.name}/{start}/s{self.ce_seed(seed)}"
+                        curves.setdefault(key, self.ce_curve(task, start, seed))
         results = {
             "options": to_dict(self.opts),
             "tasks": {
@@ -412,6 +448,7 @@ class TeacherStudy:
             },  # fmt: skip
             "fixed": fixed,
             "rows": rows,
+            "ce_curves": curves,
             "seconds": time.perf_counter() - t0,
         }
         write_json(results, self.out / "teacher_results.json")

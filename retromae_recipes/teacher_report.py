@@ -201,6 +201,24 @@ def _cost_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
+def _curve_lines(curves: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The teachers' budget curves: BM25's top K on the validation split reranked by each
+    kept checkpoint (step 0: BM25 alone)."""
+    out = []
+    for key, points in curves.items():
+        task, start, seed = key.split("/")
+        out += [f"### The teacher's budget curve: {task}, CE from {start}, seed {seed[1:]}", "",
+                "BM25's top K of the validation queries (never trained on) reranked by each "
+                "kept checkpoint; step 0 is BM25 alone.", "",
+                "| CE step | " + " | ".join(NAMES[m] for m in MEASURES) + " |",
+                "|---|" + "---|" * len(MEASURES)]  # fmt: skip
+        for p in points:
+            out.append(f"| {p['step']} | " + " | ".join(f"{p['metrics'][m]:.4f}" for m in MEASURES)
+                       + " |")  # fmt: skip
+        out.append("")
+    return out
+
+
 def write_report(results: dict[str, Any], out: Path, command: str) -> str:
     agg = aggregate(results["rows"])
     o = results["options"]
@@ -210,7 +228,8 @@ def write_report(results: dict[str, Any], out: Path, command: str) -> str:
         f"Command: `{command}`",
         "",
         f"Seeds {o['seeds']}; bi-encoders {o['steps']} steps of {o['batch']} queries, "
-        f"cross-encoders {o['ce_steps']} steps of {o['ce_batch']} (pairs cut at "
+        f"cross-encoders {o['ce_steps']} steps of {o['ce_batch']} (seed "
+        f"{'each bi-encoder seed' if o.get('ce_seed') is None else o['ce_seed']}; pairs cut at "
         f"{o['ce_q_max_len'] + o['ce_p_max_len'] - 1} tokens), reranking the top "
         f"{o['rerank_depth']}; distillation {o['distill_loss']} (teacher temperature "
         f"{o['teacher_temperature']}). Verdicts: `report_rows.compare` (a difference beyond two "
@@ -219,6 +238,7 @@ def write_report(results: dict[str, Any], out: Path, command: str) -> str:
     ]
     for task in results["tasks"]:
         text += _task_section(task, results, agg)
+    text += _curve_lines(results.get("ce_curves") or {})
     text.append(f"Wall time of this invocation: {results['seconds'] / 60:.1f} min.")
     body = "\n".join(text) + "\n"
     atomic_write_text(out / "teacher.md", body)
