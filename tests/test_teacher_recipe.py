@@ -49,7 +49,7 @@ def test_the_whole_study_at_toy_size_and_a_rerun_runs_nothing(tmp_path, tokenize
         *("--checkpoint_every", "1", "--ce_steps", "2", "--ce_batch", "4", "--ce_lr", "1e-3"),
         *("--ce_q_max_len", "16", "--ce_p_max_len", "32", "--rerank_depth", "5"),
         *("--precision", "fp32", "--eval_bf16", "false", "--ict_per_paragraph", "1"),
-        *("--mine_max_length", "64", "--tasks", "scifact"),
+        *("--mine_max_length", "64", "--tasks", "scifact", "--ce_curve_every", "1"),
     ]
     assert main(argv) == 0
     results = json.loads((out / "teacher_results.json").read_text())
@@ -98,6 +98,16 @@ def test_the_whole_study_at_toy_size_and_a_rerun_runs_nothing(tmp_path, tokenize
     found = held[0]["mine"]["denoise"]["holdout_detection"]
     assert found["candidates"] > 0 and {"precision", "recall"} <= set(found)
     assert "Denoising (held-out positives" in report
+    # the teachers' budget curves: BM25 on the validation split, then each kept checkpoint
+    curves = results["ce_curves"]
+    assert set(curves) == {"scifact/minilm/s0", "scifact/retromae/s0"}
+    for points in curves.values():
+        assert [p["step"] for p in points] == [0, 1, 2]
+        assert all(set(p["metrics"]) == {"ndcg@10", "mrr@10", "recall@100"} for p in points)
+    dev_bm25 = json.loads((out / "scifact" / "eval" / "curve_ce_minilm_s0_step2.json").read_text())
+    assert dev_bm25["first_stage"]["metrics"] == curves["scifact/minilm/s0"][0]["metrics"]
+    assert "budget curve: scifact, CE from minilm, seed 0" in report
+    assert "| 2 | " in report
 
     logs = {p: p.stat().st_mtime_ns for p in out.rglob("*.log")}
     evals = {p: p.stat().st_mtime_ns for p in out.rglob("eval/*.json")}
