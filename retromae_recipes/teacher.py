@@ -134,7 +134,11 @@ class TeacherOptions:
     ce_curve_every: int = 200
     """Keep the cross-encoder's checkpoint every this many steps and rerank BM25's top
     ``rerank_depth`` on the validation split with each: the teacher's budget curve (0: no
-    curve; the last checkpoint is the teacher either way)."""
+    curve, the last checkpoint is the teacher)."""
+    ce_pick: str = flag("best", choices=("best", "last"))
+    """The teacher: the curve's checkpoint with the best validation nDCG@10 (the earliest
+    of a tie: early stopping on held-out queries; the test split is never looked at), or
+    the last."""
     ce_batch: int = 8
     """Queries per cross-encoder step, each with its positive and n_hard negatives."""
     ce_lr: float = 3e-5
@@ -263,7 +267,7 @@ class TeacherStudy:
         if arm == "ance":
             return self._refreshing(cfg, mine_first=True)
         if arm == "distill_online":
-            teacher = str(self.ce(task, "minilm", seed))
+            teacher = str(self.teacher(task, "minilm", seed))
             cfg = self._refreshing(cfg, mine_first=True)
             return replace(cfg, distill=replace(distill, teacher=teacher))
         mined = self.mine(task, seed, "mined" if arm != "denoised" else "denoised")
@@ -301,7 +305,7 @@ class TeacherStudy:
             model=str(self.init), out=str(out), split="train", num_negatives=o.num_negatives,
             range_max=o.top_k, sampling_strategy="random", seed=seed, device="cpu",
             bf16=o.eval_bf16, max_length=o.mine_max_length, progress=False, cache_dir=str(self.out / task.name / "mine_cache"),
-            cross_encoder=str(self.ce(task, "minilm", seed)), ce_batch_size=o.ce_batch_size,
+            cross_encoder=str(self.teacher(task, "minilm", seed)), ce_batch_size=o.ce_batch_size,
             ce_bf16=o.eval_bf16,
         )  # fmt: skip
         if kind == "holdout":
@@ -368,6 +372,19 @@ class TeacherStudy:
         write_json(row, path)
         return row
 
+    def teacher(self, task: Task, start: str, seed: int) -> Path:
+        """The cross-encoder the study uses: the run (its last checkpoint), or with
+        ``ce_pick`` best the curve's best checkpoint's encoder."""
+        run = self.ce(task, start, seed)
+        if self.opts.ce_pick != "best" or not self.opts.ce_curve_every:
+            return run
+        picked = pick(self.ce_curve(task, start, seed))
+        if picked is None:
+            return run
+        from retromae_ds.components.layout import step_tag
+
+        return run / "checkpoints" / step_tag(picked) / "encoder"
+
     def ce_curve(self, task: Task, start: str, seed: int) -> list[dict[str, Any]]:
         """The teacher's budget curve: BM25's top ``rerank_depth`` on the validation split
         reranked by each kept checkpoint of the cross-encoder (step 0: BM25 alone)."""
@@ -402,9 +419,10 @@ class TeacherStudy:
         rows: list[dict[str, Any]] = []
         dense = self.arm(task, "ance", seed) if "ance" in self.opts.arms else None
         for start in self.starts:
-            ce = self.ce(task, start, seed)
-            common = {"task": task.name, "seed": seed, "ce": start, "train_s": run_seconds(ce),
-                      "ce_seed": self.ce_seed(seed)}  # fmt: skip
+            ce = self.teacher(task, start, seed)
+            common = {"task": task.name, "seed": seed, "ce": start,
+                      "train_s": run_seconds(self.ce(task, start, seed)),
+                      "ce_seed": self.ce_seed(seed), "ce_model": str(ce)}  # fmt: skip
             r = self.reranked(task, f"bm25_ce_{start}_s{seed}", BM25, ce)
             rows.append({**common, "row": f"bm25+ce_{start}", **r})
             if dense is not None:
@@ -430,7 +448,7 @@ class TeacherStudy:
         from retromae_recipes.teacher_report import write_report
 
         t0 = time.perf_counter()
-        rows, fixed, curves = [], {}, {}
+        rows, fixed, curves, o = [], {}, {}, self.opts
         for task in self.tasks:
             fixed[task.name] = {"bm25": self.bm25(task)["metrics"],
                                 "init": self.evaluate(task, "init", self.init)["metrics"]}  # fmt: skip
@@ -439,7 +457,9 @@ class TeacherStudy:
                 if self.opts.ce_curve_every:
                     for start in self.starts:
                         key = f"{task.name}/{start}/s{self.ce_seed(seed)}"
-                        curves.setdefault(key, self.ce_curve(task, start, seed))
+                        points = self.ce_curve(task, start, seed)
+                        curves.setdefault(key, {"points": points, "picked": pick(points)
+                                                if o.ce_pick == "best" else None})  # fmt: skip
         results = {
             "options": to_dict(self.opts),
             "tasks": {
@@ -453,6 +473,16 @@ class TeacherStudy:
         }
         write_json(results, self.out / "teacher_results.json")
         return write_report(results, self.out, command)
+
+
+def pick(points: list[dict[str, Any]]) -> int | None:
+    """The curve's step with the best nDCG@10 past step 0 (BM25 alone), the earliest of a
+    tie; None without one."""
+    trained = [p for p in points if p["step"] > 0]
+    if not trained:
+        return None
+    best = max(p["metrics"]["ndcg@10"] for p in trained)
+    return min(p["step"] for p in trained if p["metrics"]["ndcg@10"] == best)
 
 
 def multi_positive(beir: Path, dst: Path) -> Path | None:

@@ -205,11 +205,13 @@ def _curve_lines(curves: dict[str, list[dict[str, Any]]]) -> list[str]:
     """The teachers' budget curves: BM25's top K on the validation split reranked by each
     kept checkpoint (step 0: BM25 alone)."""
     out = []
-    for key, points in curves.items():
+    for key, curve in curves.items():
         task, start, seed = key.split("/")
+        points, picked = curve["points"], curve["picked"]
         out += [f"### The teacher's budget curve: {task}, CE from {start}, seed {seed[1:]}", "",
                 "BM25's top K of the validation queries (never trained on) reranked by each "
-                "kept checkpoint; step 0 is BM25 alone.", "",
+                "kept checkpoint; step 0 is BM25 alone. The teacher: "
+                + (f"step {picked} (the best here)." if picked else "the last step."), "",
                 "| CE step | " + " | ".join(NAMES[m] for m in MEASURES) + " |",
                 "|---|" + "---|" * len(MEASURES)]  # fmt: skip
         for p in points:

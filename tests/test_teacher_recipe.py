@@ -101,11 +101,21 @@ def test_the_whole_study_at_toy_size_and_a_rerun_runs_nothing(tmp_path, tokenize
     # the teachers' budget curves: BM25 on the validation split, then each kept checkpoint
     curves = results["ce_curves"]
     assert set(curves) == {"scifact/minilm/s0", "scifact/retromae/s0"}
-    for points in curves.values():
+    for curve in curves.values():
+        points = curve["points"]
         assert [p["step"] for p in points] == [0, 1, 2]
+        best = max(p["metrics"]["ndcg@10"] for p in points[1:])
+        assert curve["picked"] == min(p["step"] for p in points[1:]
+                                      if p["metrics"]["ndcg@10"] == best)  # fmt: skip
         assert all(set(p["metrics"]) == {"ndcg@10", "mrr@10", "recall@100"} for p in points)
     dev_bm25 = json.loads((out / "scifact" / "eval" / "curve_ce_minilm_s0_step2.json").read_text())
-    assert dev_bm25["first_stage"]["metrics"] == curves["scifact/minilm/s0"][0]["metrics"]
+    assert dev_bm25["first_stage"]["metrics"] == curves["scifact/minilm/s0"]["points"][0]["metrics"]
+    # the picked checkpoint is the teacher every stage used
+    picked = curves["scifact/minilm/s0"]["picked"]
+    ce_model = rows["bm25+ce_minilm"]["ce_model"]
+    assert ce_model.endswith(f"step_{picked:08d}/encoder"), ce_model
+    online_cfg = json.loads((runs / "distill_online_s0_config.json").read_text())
+    assert online_cfg["distill"]["teacher"] == ce_model
     assert "budget curve: scifact, CE from minilm, seed 0" in report
     assert "| 2 | " in report
 
