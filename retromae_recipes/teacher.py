@@ -254,7 +254,7 @@ class TeacherStudy:
                          prepared=str(self.out / task.name / f"prepared_ce_{start}")),
             model=DualModelConfig(init=str(self.starts[start]), kind="cross_encoder"),
             optim=OptimConfig(lr=o.ce_lr, warmup_ratio=RecipeConfig.warmup_ratio),
-            checkpoint=CheckpointConfig(every_steps=every, keep_last=-(-o.ce_steps // every)),
+            checkpoint=CheckpointConfig(every_steps=every, keep_last=0),  # all: the curve's
         )  # fmt: skip
 
     def arm_config(self, task: Task, arm: str, seed: int) -> FinetuneConfig:
