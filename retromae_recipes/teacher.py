@@ -423,8 +423,10 @@ class TeacherStudy:
             common = {"task": task.name, "seed": seed, "ce": start,
                       "train_s": run_seconds(self.ce(task, start, seed)),
                       "ce_seed": self.ce_seed(seed), "ce_model": str(ce)}  # fmt: skip
-            r = self.reranked(task, f"bm25_ce_{start}_s{seed}", BM25, ce)
-            rows.append({**common, "row": f"bm25+ce_{start}", **r})
+            if self.ce_seed(seed) == seed or seed == self.opts.seeds[0]:
+                # BM25 + CE depends on the teacher alone: one row per teacher
+                r = self.reranked(task, f"bm25_ce_{start}_s{self.ce_seed(seed)}", BM25, ce)
+                rows.append({**common, "row": f"bm25+ce_{start}", **r})
             if dense is not None:
                 r = self.reranked(task, f"ance_ce_{start}_s{seed}", dense, ce)
                 rows.append({**common, "row": f"ance+ce_{start}", **r})
