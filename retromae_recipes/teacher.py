@@ -332,11 +332,23 @@ class TeacherStudy:
         fitted = self.mine(task, seed, "holdout")["manifest"]["denoise"].get("fitted")
         return fitted["value"] if fitted else None
 
-    def evaluate(self, task: Task, name: str, model: Path) -> dict[str, Any]:
+    def evaluate(self, task: Task, name: str, model: Path, split: str = "test") -> dict[str, Any]:
         path = self.out / task.name / "eval" / f"{name}.json"
         return evaluate_cached(
-            path, model, task.beir, "test", self._loaded, bf16=self.opts.eval_bf16
+            path, model, task.beir, split, self._loaded, bf16=self.opts.eval_bf16
         )
+
+    def students_on_dev(self, task: Task) -> dict[str, Any]:
+        """What the teacher's curve is read against: the init and each seed's ANCE
+        bi-encoder on the same validation queries (a teacher weaker than its student has
+        nothing to teach it)."""
+        out: dict[str, Any] = {"init": self.evaluate(task, "dev_init", self.init, "dev")["metrics"]}
+        if "ance" in self.opts.arms:
+            out["ance"] = [
+                self.evaluate(task, f"dev_ance_s{s}", self.arm(task, "ance", s), "dev")["metrics"]
+                for s in self.opts.seeds
+            ]  # fmt: skip
+        return out
 
     def reranked(
         self, task: Task, name: str, first: Path | str, ce: Path, split: str = "test"
@@ -450,7 +462,7 @@ class TeacherStudy:
         from retromae_recipes.teacher_report import write_report
 
         t0 = time.perf_counter()
-        rows, fixed, curves, o = [], {}, {}, self.opts
+        rows, fixed, curves, dev, o = [], {}, {}, {}, self.opts
         for task in self.tasks:
             fixed[task.name] = {"bm25": self.bm25(task)["metrics"],
                                 "init": self.evaluate(task, "init", self.init)["metrics"]}  # fmt: skip
@@ -462,6 +474,8 @@ class TeacherStudy:
                         points = self.ce_curve(task, start, seed)
                         curves.setdefault(key, {"points": points, "picked": pick(points)
                                                 if o.ce_pick == "best" else None})  # fmt: skip
+            if o.ce_curve_every:
+                dev[task.name] = self.students_on_dev(task)
         results = {
             "options": to_dict(self.opts),
             "tasks": {
@@ -471,6 +485,7 @@ class TeacherStudy:
             "fixed": fixed,
             "rows": rows,
             "ce_curves": curves,
+            "students_on_dev": dev,
             "seconds": time.perf_counter() - t0,
         }
         write_json(results, self.out / "teacher_results.json")

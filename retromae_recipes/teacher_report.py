@@ -201,9 +201,9 @@ def _cost_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
-def _curve_lines(curves: dict[str, list[dict[str, Any]]]) -> list[str]:
+def _curve_lines(curves: dict[str, Any], students: dict[str, Any]) -> list[str]:
     """The teachers' budget curves: BM25's top K on the validation split reranked by each
-    kept checkpoint (step 0: BM25 alone)."""
+    kept checkpoint (step 0: BM25 alone), and the students on the same queries."""
     out = []
     for key, curve in curves.items():
         task, start, seed = key.split("/")
@@ -217,6 +217,15 @@ def _curve_lines(curves: dict[str, list[dict[str, Any]]]) -> list[str]:
         for p in points:
             out.append(f"| {p['step']} | " + " | ".join(f"{p['metrics'][m]:.4f}" for m in MEASURES)
                        + " |")  # fmt: skip
+        s = students.get(task) or {}
+        if s:
+            line = f"The students on the same queries, nDCG@10: the init {s['init']['ndcg@10']:.4f}"
+            ance = [x["ndcg@10"] for x in s.get("ance", [])]
+            if ance:
+                std = statistics.stdev(ance) if len(ance) > 1 else 0.0
+                line += (f"; the ANCE bi-encoder {statistics.fmean(ance):.4f} ± {std:.4f} "
+                         f"({len(ance)} seeds)")  # fmt: skip
+            out += ["", line + "."]
         out.append("")
     return out
 
@@ -240,7 +249,7 @@ def write_report(results: dict[str, Any], out: Path, command: str) -> str:
     ]
     for task in results["tasks"]:
         text += _task_section(task, results, agg)
-    text += _curve_lines(results.get("ce_curves") or {})
+    text += _curve_lines(results.get("ce_curves") or {}, results.get("students_on_dev") or {})
     text.append(f"Wall time of this invocation: {results['seconds'] / 60:.1f} min.")
     body = "\n".join(text) + "\n"
     atomic_write_text(out / "teacher.md", body)

@@ -117,6 +117,9 @@ def test_the_whole_study_at_toy_size_and_a_rerun_runs_nothing(tmp_path, tokenize
     online_cfg = json.loads((runs / "distill_online_s0_config.json").read_text())
     assert online_cfg["distill"]["teacher"] == ce_model
     assert "budget curve: scifact, CE from minilm, seed 0" in report
+    students = results["students_on_dev"]["scifact"]
+    assert len(students["ance"]) == 1 and set(students["init"]) == set(students["ance"][0])
+    assert "The students on the same queries, nDCG@10: the init " in report
     assert "| 2 | " in report
 
     logs = {p: p.stat().st_mtime_ns for p in out.rglob("*.log")}
