@@ -29,21 +29,17 @@ collection and seed:
 
 Every stage is cached: a finished run, mine or evaluation is kept and skipped on a rerun.
 
-**Cost on 2 CPU cores** (estimated from the SciFact recipe's measured 1.9 s per 16-query
-training step on this AMX Xeon, the CE's ~10 pairs/s per core at 256 tokens fp32, i.e. ~25
-pairs/s on 2 cores at the 159-token pairs used here, and the smoke test): per SciFact seed the
-MiniLM CE trains in ~4-5 min (200 steps of 8 queries × 4 pairs), each reranking scores 300 × 30
-pairs (~6 min), the three mines score ~6,700 pairs (~5 min), the five bi-encoder runs take
-~25 min (the online one waits ~4 min for its scored first version, and its step-50 version
-costs ~6 min of scoring on the refresher's one thread), evaluations ~6 min: ~50 min a seed
-with MiniLM's CE alone, ~65 with ``--retromae_init``. The WikiText task (``ict_per_paragraph``
-1: ~1,300 train, ~160 test queries, short passages) costs about the same. Both collections,
-3 seeds: ~5-6.5 h on 2 cores; SciFact alone ~2.5-3.3 h. On one GPU the CE's scoring goes at
-thousands of pairs per second and the whole study is the bi-encoder runs' ~10-15 min (not
-measured). Defaults chosen for that: pairs cut at 159 tokens (``ce_q_max_len`` 32 +
-``ce_p_max_len`` 128 - 1: the bi-encoder trains on 128-token passages too), rerank depth 30
-(the BEIR paper reranks BM25's top 100: ``--rerank_depth 100`` costs 3.3× the reranking),
-200 CE steps.
+**Cost on 2 CPU cores** (measured on SciFact seed 0, docs/results.md): the CE trains at
+~2.2-2.6 s a step (8 groups of 4 pairs at 159 tokens), 1,000 steps ~40 min; its curve
+reranks BM25's top 30 of the 150 validation queries at each kept checkpoint (~80 s each);
+CE scoring under bf16 autocast runs at 55-58 pairs/s (a top-30 reranking of the 300 test
+queries ~2.7 min, a ``mine`` ~2 min of scoring); each bi-encoder run 6 min static, 9 with
+ANCE's refresher, ~12 with the online teacher; evaluations ~2 min. A SciFact seed after the
+teacher ~55 min; with the shared teacher and its curve, 3 seeds ~3.5 h. On one GPU the CE's
+scoring goes at thousands of pairs per second (not measured). Defaults: pairs cut at 159
+tokens (``ce_q_max_len`` 32 + ``ce_p_max_len`` 128 - 1: the bi-encoder trains on 128-token
+passages too), rerank depth 30 (the BEIR paper reranks BM25's top 100: ``--rerank_depth
+100`` costs 3.3x the reranking), 1,000 CE steps (the curve flattens from step 600).
 """
 
 from __future__ import annotations
