@@ -188,6 +188,7 @@ class TeacherStudy:
         if opts.retromae_init:
             self.starts["retromae"] = Path(opts.retromae_init)
         self._loaded: dict[tuple[str, str], Any] = {}
+        self._curves: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
         self.tasks = [self._task(name) for name in opts.tasks]
 
     def _task(self, name: str) -> Task:
@@ -400,6 +401,9 @@ class TeacherStudy:
         from retromae_ds.eval.two_stage import BM25
 
         run, seed = self.ce(task, start, seed), self.ce_seed(seed)
+        key = (task.name, start, seed)
+        if key in self._curves:  # teacher() asks for it at every stage that scores
+            return self._curves[key]
         points: list[dict[str, Any]] = []
         for ckpt in complete_checkpoints(run / "checkpoints"):
             step = int(STEP_DIR.match(ckpt.name).group(1))
@@ -408,6 +412,7 @@ class TeacherStudy:
             if not points:
                 points.append({"step": 0, "metrics": r["first_stage"]["metrics"]})
             points.append({"step": step, "metrics": r["metrics"]})
+        self._curves[key] = points
         return points
 
     def bm25(self, task: Task) -> dict[str, Any]:
