@@ -145,6 +145,13 @@ class TeacherOptions:
     """Cross-encoder passage tokens."""
     ce_batch_size: int = 32
     """Pairs per cross-encoder forward pass when scoring."""
+    ce_max_length: int | None = None
+    """Tokens per pair whenever a cross-encoder scores (its curve, the reranking, ``mine``,
+    the online teacher); none: the longest pair it trained on (ce_q_max_len + ce_p_max_len -
+    1). Longer lets a teacher trained on cut passages read more of each one."""
+    stages: str = flag("all", choices=("curve", "all"))
+    """curve: the cross-encoders and their validation curves only (choosing the teacher's
+    settings on held-out queries; no bi-encoder, nothing on test); all: the whole study."""
     rerank_depth: int = 30
     """First-stage documents per test query the cross-encoder reranks (BEIR's: 100)."""
     denoise: str = flag("margin", choices=("margin", "relative_margin", "threshold"))
@@ -168,6 +175,10 @@ class TeacherOptions:
                 raise ValueError(f"--{name}: give some of {', '.join(allowed)}, not {bad}")
         if not self.seeds or min(self.steps, self.ce_steps, self.rerank_depth, self.n_hard) < 1:
             raise ValueError("--seeds, and --steps, --ce_steps, --rerank_depth, --n_hard >= 1")
+        if self.ce_max_length is not None and self.ce_max_length < 3:
+            raise ValueError(f"--ce_max_length must be >= 3, not {self.ce_max_length}")
+        if self.stages == "curve" and not self.ce_curve_every:
+            raise ValueError("--stages curve needs --ce_curve_every > 0 (the curve is the stage)")
 
 
 @dataclass
@@ -219,7 +230,7 @@ class TeacherStudy:
                 mining=MiningConfig(top_k=o.top_k, num_negatives=o.num_negatives, seed=seed),
                 threads=o.refresh_threads, cache_dir=str(self.out / task.name / "embedding_cache"),
                 bf16=o.eval_bf16, bf16_cpu=o.eval_bf16, progress=False,
-                teacher_bf16=o.eval_bf16,
+                teacher_bf16=o.eval_bf16, teacher_max_length=o.ce_max_length,
             ),
             optim=OptimConfig(lr=o.lr, warmup_ratio=RecipeConfig.warmup_ratio),
             checkpoint=CheckpointConfig(every_steps=o.steps, keep_last=1),
@@ -235,6 +246,13 @@ class TeacherStudy:
             negatives=replace(cfg.negatives, mine_first=mine_first),
             checkpoint=CheckpointConfig(every_steps=every, keep_last=1),
         )  # fmt: skip
+
+    @property
+    def length_tag(self) -> str:
+        """Part of the cached names of whatever a cross-encoder scored: a scoring length other
+        than the trained one is another result, never read back as this one."""
+        n = self.opts.ce_max_length
+        return f"_len{n}" if n else ""
 
     def ce_seed(self, seed: int) -> int:
         return seed if self.opts.ce_seed is None else self.opts.ce_seed
@@ -255,7 +273,8 @@ class TeacherStudy:
         )  # fmt: skip
 
     def arm_config(self, task: Task, arm: str, seed: int) -> FinetuneConfig:
-        o, run = self.opts, self.out / task.name / "runs" / f"{arm}_s{seed}"
+        tag = self.length_tag if arm in ("denoised", "distill_offline", "distill_online") else ""
+        o, run = self.opts, self.out / task.name / "runs" / f"{arm}_s{seed}{tag}"
         cfg = self._base(task, run, seed)
         distill = DistillConfig(
             loss=o.distill_loss, teacher_temperature=o.teacher_temperature,
@@ -294,8 +313,8 @@ class TeacherStudy:
         from retromae_ds.mine import MineConfig, run_mine
 
         o = self.opts
-        out = self.out / task.name / "mine" / f"{kind}_s{seed}.jsonl"
-        manifest_path = out.with_name(f"{kind}_s{seed}.manifest.json")
+        out = self.out / task.name / "mine" / f"{kind}_s{seed}{self.length_tag}.jsonl"
+        manifest_path = out.with_name(f"{kind}_s{seed}{self.length_tag}.manifest.json")
         if manifest_path.is_file():
             return {"file": out, "manifest": json.loads(manifest_path.read_text())}
         settings = dict(
@@ -303,7 +322,7 @@ class TeacherStudy:
             range_max=o.top_k, sampling_strategy="random", seed=seed, device="cpu",
             bf16=o.eval_bf16, max_length=o.mine_max_length, progress=False, cache_dir=str(self.out / task.name / "mine_cache"),
             cross_encoder=str(self.teacher(task, "minilm", seed)), ce_batch_size=o.ce_batch_size,
-            ce_bf16=o.eval_bf16,
+            ce_bf16=o.eval_bf16, ce_max_length=o.ce_max_length,
         )  # fmt: skip
         if kind == "holdout":
             assert task.multi is not None
@@ -318,7 +337,7 @@ class TeacherStudy:
             if kind == "denoised":
                 settings.update(denoise=o.denoise, denoise_value=self.denoise_value(task, seed))
             manifest = run_mine(MineConfig(**settings))
-        shutil.rmtree(out.with_name(f".{kind}_s{seed}.work"), ignore_errors=True)
+        shutil.rmtree(out.with_name(f".{out.stem}.work"), ignore_errors=True)
         return {"file": out, "manifest": manifest}
 
     def denoise_value(self, task: Task, seed: int) -> float | None:
@@ -335,12 +354,12 @@ class TeacherStudy:
             path, model, task.beir, split, self._loaded, bf16=self.opts.eval_bf16
         )
 
-    def students_on_dev(self, task: Task) -> dict[str, Any]:
+    def students_on_dev(self, task: Task, ance: bool = True) -> dict[str, Any]:
         """What the teacher's curve is read against: the init and each seed's ANCE
         bi-encoder on the same validation queries (a teacher weaker than its student has
         nothing to teach it)."""
         out: dict[str, Any] = {"init": self.evaluate(task, "dev_init", self.init, "dev")["metrics"]}
-        if "ance" in self.opts.arms:
+        if ance and "ance" in self.opts.arms:
             out["ance"] = [
                 self.evaluate(task, f"dev_ance_s{s}", self.arm(task, "ance", s), "dev")["metrics"]
                 for s in self.opts.seeds
@@ -351,8 +370,9 @@ class TeacherStudy:
         self, task: Task, name: str, first: Path | str, ce: Path, split: str = "test"
     ) -> dict[str, Any]:
         """``first`` (a bi-encoder, or ``bm25``) reranked by ``ce`` at ``rerank_depth`` on
-        ``split``: ``metrics`` reranked, ``first_stage``, ``cross_encoder`` (pairs/s); cached."""
-        path = self.out / task.name / "eval" / f"{name}.json"
+        ``split``: ``metrics`` reranked, ``first_stage``, ``cross_encoder`` (pairs/s); cached
+        (under a name that carries ``ce_max_length`` when it is set)."""
+        path = self.out / task.name / "eval" / f"{name}{self.length_tag}.json"
         if path.is_file():
             return json.loads(path.read_text())
         import torch
@@ -364,7 +384,7 @@ class TeacherStudy:
         o = self.opts
         stage = CrossEncoderStage(model=str(ce), depth=o.rerank_depth,
                                   batch_size=o.ce_batch_size, device="cpu",
-                                  bf16=o.eval_bf16)  # fmt: skip
+                                  bf16=o.eval_bf16, max_length=o.ce_max_length)  # fmt: skip
         key = (str(task.beir), split)
         if key not in self._loaded:
             self._loaded[key] = load_beir(task.beir, split)
@@ -464,11 +484,14 @@ class TeacherStudy:
 
         t0 = time.perf_counter()
         rows, fixed, curves, dev, o = [], {}, {}, {}, self.opts
+        whole = o.stages == "all"
         for task in self.tasks:
-            fixed[task.name] = {"bm25": self.bm25(task)["metrics"],
-                                "init": self.evaluate(task, "init", self.init)["metrics"]}  # fmt: skip
+            if whole:
+                fixed[task.name] = {"bm25": self.bm25(task)["metrics"],
+                                    "init": self.evaluate(task, "init", self.init)["metrics"]}  # fmt: skip
             for seed in self.opts.seeds:
-                rows += self.one_seed(task, seed)
+                if whole:
+                    rows += self.one_seed(task, seed)
                 if self.opts.ce_curve_every:
                     for start in self.starts:
                         key = f"{task.name}/{start}/s{self.ce_seed(seed)}"
@@ -476,7 +499,7 @@ class TeacherStudy:
                         curves.setdefault(key, {"points": points, "picked": pick(points)
                                                 if o.ce_pick == "best" else None})  # fmt: skip
             if o.ce_curve_every:
-                dev[task.name] = self.students_on_dev(task)
+                dev[task.name] = self.students_on_dev(task, ance=whole)
         results = {
             "options": to_dict(self.opts),
             "tasks": {

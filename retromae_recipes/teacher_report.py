@@ -241,14 +241,17 @@ def write_report(results: dict[str, Any], out: Path, command: str) -> str:
         f"Seeds {o['seeds']}; bi-encoders {o['steps']} steps of {o['batch']} queries, "
         f"cross-encoders {o['ce_steps']} steps of {o['ce_batch']} (seed "
         f"{'each bi-encoder seed' if o.get('ce_seed') is None else o['ce_seed']}; pairs cut at "
-        f"{o['ce_q_max_len'] + o['ce_p_max_len'] - 1} tokens), reranking the top "
+        f"{o['ce_q_max_len'] + o['ce_p_max_len'] - 1} tokens"
+        + (f", scored at {o['ce_max_length']}" if o.get("ce_max_length") else "")
+        + "), reranking the top "
         f"{o['rerank_depth']}; distillation {o['distill_loss']} (teacher temperature "
         f"{o['teacher_temperature']}). Verdicts: `report_rows.compare` (a difference beyond two "
         "combined standard errors over seeds).",
         "",
     ]
     for task in results["tasks"]:
-        text += _task_section(task, results, agg)
+        if task in results["fixed"]:  # none with --stages curve
+            text += _task_section(task, results, agg)
     text += _curve_lines(results.get("ce_curves") or {}, results.get("students_on_dev") or {})
     text.append(f"Wall time of this invocation: {results['seconds'] / 60:.1f} min.")
     body = "\n".join(text) + "\n"

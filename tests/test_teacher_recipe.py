@@ -150,10 +150,49 @@ def test_the_inverse_cloze_task_is_built_and_has_no_holdout(tmp_path, tokenizer_
     assert ance.refresher == "local" and ance.negatives.mine_first
 
 
+def test_the_curve_stage_trains_and_scores_the_teacher_only_at_the_length_asked(
+    tmp_path, tokenizer_dir
+):
+    """``--stages curve``: the cross-encoder and its validation curve, no bi-encoder and
+    nothing on test; ``--ce_max_length``: the curve is scored at that length, cached under
+    its own names, and a rerun at the trained length scores the same checkpoints anew."""
+    beir = _beir(tmp_path / "beir")
+    init = write_tiny_encoder(tmp_path / "init", tokenizer_dir)
+    out = tmp_path / "out"
+    argv = [
+        *("--data", str(beir), "--out", str(out), "--init", str(init), "--seeds", "0"),
+        *("--holdout", "3", "--n_hard", "2", "--top_k", "8", "--num_negatives", "3"),
+        *("--ce_steps", "2", "--ce_batch", "4", "--ce_lr", "1e-3", "--ce_curve_every", "1"),
+        *("--ce_q_max_len", "16", "--ce_p_max_len", "16", "--rerank_depth", "5"),
+        *("--precision", "fp32", "--eval_bf16", "false", "--tasks", "scifact"),
+    ]
+    assert main([*argv, "--stages", "curve", "--ce_max_length", "40"]) == 0
+    runs = sorted(p.name for p in (out / "scifact" / "runs").iterdir() if p.is_dir())
+    assert runs == ["ce_minilm_s0"], runs
+    evals = sorted(p.name for p in (out / "scifact" / "eval").iterdir())
+    assert evals == [f"{n}.json" for n in ("curve_ce_minilm_s0_step1_len40",
+                                          "curve_ce_minilm_s0_step2_len40", "dev_init")], evals  # fmt: skip
+    long = json.loads((out / "scifact" / "eval" / evals[0]).read_text())
+    assert long["cross_encoder"]["max_length"] == 40
+    results = json.loads((out / "teacher_results.json").read_text())
+    assert results["rows"] == [] and results["fixed"] == {}
+    assert [p["step"] for p in results["ce_curves"]["scifact/minilm/s0"]["points"]] == [0, 1, 2]
+    assert "ance" not in results["students_on_dev"]["scifact"]
+    report = (out / "teacher.md").read_text()
+    assert "scored at 40" in report and "## scifact" not in report
+    assert "budget curve: scifact, CE from minilm, seed 0" in report
+    assert main([*argv, "--stages", "curve"]) == 0  # the trained length: 31 tokens
+    short = json.loads((out / "scifact" / "eval" / "curve_ce_minilm_s0_step1.json").read_text())
+    assert short["cross_encoder"]["max_length"] == 31
+    assert short["cross_encoder"]["model"] == long["cross_encoder"]["model"]
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [(["--tasks", "msmarco"], "--tasks"), (["--arms", "bm25"], "--arms"),
-     (["--denoise", "maybe"], "--denoise"), (["--rerank_depth", "0"], "--rerank_depth")],
+     (["--denoise", "maybe"], "--denoise"), (["--rerank_depth", "0"], "--rerank_depth"),
+     (["--ce_max_length", "2"], "--ce_max_length"),
+     (["--stages", "curve", "--ce_curve_every", "0"], "--stages")],
 )  # fmt: skip
 def test_a_bad_option_is_one_line_naming_it(argv, named, capsys):
     assert main(argv) == 2
