@@ -30,16 +30,22 @@ collection and seed:
 Every stage is cached: a finished run, mine or evaluation is kept and skipped on a rerun.
 
 **Cost on 2 CPU cores** (measured on SciFact seed 0, docs/results.md): the CE trains at
-~2.2-2.6 s a step (8 groups of 4 pairs at 159 tokens), 1,000 steps ~40 min; its curve
-reranks BM25's top 30 of the 150 validation queries at each kept checkpoint (~80 s each);
-CE scoring under bf16 autocast runs at 55-58 pairs/s (a top-30 reranking of the 300 test
-queries ~2.7 min, a ``mine`` ~2 min of scoring); each bi-encoder run 6 min static, 9 with
-ANCE's refresher, ~12 with the online teacher; evaluations ~2 min. A SciFact seed after the
-teacher ~55 min; with the shared teacher and its curve, 3 seeds ~3.5 h. On one GPU the CE's
-scoring goes at thousands of pairs per second (not measured). Defaults: pairs cut at 159
-tokens (``ce_q_max_len`` 32 + ``ce_p_max_len`` 128 - 1: the bi-encoder trains on 128-token
-passages too), rerank depth 30 (the BEIR paper reranks BM25's top 100: ``--rerank_depth
-100`` costs 3.3x the reranking), 1,000 CE steps (the curve flattens from step 600).
+~3.8 s a step (8 groups of 4 pairs at 287 tokens; ~2.4 s at 159), 600 steps ~38 min; its
+curve reranks BM25's top 30 of the 150 validation queries at each kept checkpoint (~2.5 min
+each); CE scoring under bf16 autocast runs at ~30 pairs/s at 287 tokens (55-60 at 159, ~19
+at 512): a top-30 reranking of the 300 test queries ~5 min, a ``mine`` ~4 min of scoring;
+each bi-encoder run 6 min static, 9 with ANCE's refresher, ~12 with the online teacher (at
+159 tokens; more at 287); evaluations ~2 min. A SciFact seed after the teacher ~1 h. On one
+GPU the CE's scoring goes at thousands of pairs per second (not measured).
+
+**Defaults, chosen by the validation curves** (docs/results.md, "What the teacher reads"):
+pairs of 287 tokens (``ce_q_max_len`` 32 + ``ce_p_max_len`` 256 - 1). SciFact abstracts
+run to 316 tokens at the median: cut at 159 the CE reads half of each and ranks below BM25
+(best 0.713 nDCG@10 against BM25's 0.724), at 287 it ranks above (0.749); scoring a CE
+at more tokens than it trained on loses (0.749 -> 0.691 at 512; 0.713 -> 0.606 for the
+159-token CE at 287), so ``ce_max_length`` stays the trained length. 600 CE steps (the
+287-token curve peaks at step 400 of 600; ``--ce_pick best`` takes it). Rerank depth 30
+(the BEIR paper reranks BM25's top 100: ``--rerank_depth 100`` costs 3.3x the reranking).
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ class TeacherOptions:
     """Queries per WikiText paragraph (1: ~1,300 train queries; 0: as many as fit)."""
     mine_max_length: int | None = None
     """Tokens per text when ``mine`` encodes (none: the encoder's own, 256 for MiniLM)."""
-    ce_steps: int = 1000
+    ce_steps: int = 600
     """Cross-encoder training steps (chosen by the curve: ``ce_curve_every``)."""
     ce_seed: int | None = 0
     """The one seed every cross-encoder trains with: one teacher per collection and start,
@@ -141,8 +147,9 @@ class TeacherOptions:
     """Peak learning rate of the cross-encoders."""
     ce_q_max_len: int = 32
     """Cross-encoder query tokens (a pair is cut at ce_q_max_len + ce_p_max_len - 1)."""
-    ce_p_max_len: int = 128
-    """Cross-encoder passage tokens."""
+    ce_p_max_len: int = 256
+    """Cross-encoder passage tokens (the bi-encoder's are ``p_max_len``; the teacher reads
+    more of each passage: the module doc)."""
     ce_batch_size: int = 32
     """Pairs per cross-encoder forward pass when scoring."""
     ce_max_length: int | None = None
