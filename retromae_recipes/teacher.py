@@ -155,7 +155,8 @@ class TeacherOptions:
     ce_max_length: int | None = None
     """Tokens per pair whenever a cross-encoder scores (its curve, the reranking, ``mine``,
     the online teacher); none: the longest pair it trained on (ce_q_max_len + ce_p_max_len -
-    1). Longer lets a teacher trained on cut passages read more of each one."""
+    1). Measured: scoring past the trained length loses (module doc), so leave it none
+    unless that is what is being measured."""
     stages: str = flag("all", choices=("curve", "all"))
     """curve: the cross-encoders and their validation curves only (choosing the teacher's
     settings on held-out queries; no bi-encoder, nothing on test); all: the whole study."""
@@ -320,8 +321,9 @@ class TeacherStudy:
         from retromae_ds.mine import MineConfig, run_mine
 
         o = self.opts
-        out = self.out / task.name / "mine" / f"{kind}_s{seed}{self.length_tag}.jsonl"
-        manifest_path = out.with_name(f"{kind}_s{seed}{self.length_tag}.manifest.json")
+        stem = f"{kind}_s{seed}{self.length_tag}"
+        out = self.out / task.name / "mine" / f"{stem}.jsonl"
+        manifest_path = out.with_name(f"{stem}.manifest.json")
         if manifest_path.is_file():
             return {"file": out, "manifest": json.loads(manifest_path.read_text())}
         settings = dict(
@@ -344,7 +346,7 @@ class TeacherStudy:
             if kind == "denoised":
                 settings.update(denoise=o.denoise, denoise_value=self.denoise_value(task, seed))
             manifest = run_mine(MineConfig(**settings))
-        shutil.rmtree(out.with_name(f".{out.stem}.work"), ignore_errors=True)
+        shutil.rmtree(out.with_name(f".{stem}.work"), ignore_errors=True)
         return {"file": out, "manifest": manifest}
 
     def denoise_value(self, task: Task, seed: int) -> float | None:
