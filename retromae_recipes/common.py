@@ -50,19 +50,49 @@ def run_stage(
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}\n{tail}")
 
 
+SPEED = (
+    "progress", "data.workers", "deepspeed.timeout_s", "negatives.wait_report_s",
+    "refresh.threads", "refresh.progress", "refresh.batch_size", "refresh.teacher_batch_size",
+    "refresh.wait_report_s", "refresh.timeout_s", "refresh.poll_s",
+)  # fmt: skip
+"""Fields of a run's config that change its speed or its telling, not its result: a
+finished run is kept when only they differ."""
+
+
+def _without(config: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """``config`` less the dotted ``fields``."""
+    out = json.loads(json.dumps(config, default=str))
+    for name in fields:
+        *parents, leaf = name.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
 def run_finetune(config: Any) -> Path:
     """``retromae-ds finetune`` of ``config`` (a ``FinetuneConfig``) in a subprocess, its
     config beside the run folder (``RUN_config.json``), its output appended to ``RUN.log``
-    and its wall time in ``RUN/recipe_timing.json``; a finished run is kept and skipped."""
+    and its wall time in ``RUN/recipe_timing.json``; a finished run is kept and skipped, but
+    refused (naming the fields) when it was made with another config, speed aside
+    (:data:`SPEED`)."""
     from retromae_ds.base.config import to_dict
     from retromae_ds.components.layout import RunLayout
 
     layout = RunLayout(config.run_dir)
+    path = layout.root.with_name(layout.root.name + "_config.json")
+    wanted = to_dict(config)
     if layout.finished.is_file():
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            refuse_changed(
+                _without(saved, SPEED), _without(wanted, SPEED), path, "run", layout.root
+            )
         return layout.root
     layout.root.mkdir(parents=True, exist_ok=True)
-    path = layout.root.with_name(layout.root.name + "_config.json")
-    write_json(to_dict(config), path)
+    write_json(wanted, path)
     log = layout.root.with_name(layout.root.name + ".log")
     t = time.perf_counter()
     run_stage(
@@ -70,6 +100,52 @@ def run_finetune(config: Any) -> Path:
     )
     write_json({"seconds": time.perf_counter() - t}, layout.root / "recipe_timing.json")
     return layout.root
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The dotted fields where ``old`` and ``new`` (JSON-like) differ, as ``field: old ->
+    new``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = list(old) + [k for k in new if k not in old]
+        return [d for k in keys for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+    if json.loads(json.dumps(old, default=str)) == json.loads(json.dumps(new, default=str)):
+        return []
+    return [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
+def refuse_changed(
+    saved: dict[str, Any], wanted: dict[str, Any], path: Path, what: str, redo: Path
+) -> None:
+    """Fail, naming ``path`` and each field that changed, when the settings a cached
+    result was made with (``saved``, read from ``path``) are not ``wanted``: a recipe rerun
+    with other settings must never report the old result as the new one (removing ``redo``
+    redoes it)."""
+    changed = _differences(saved, wanted)
+    if changed:
+        shown = "; ".join(changed[:8]) + (
+            f"; and {len(changed) - 8} more" if len(changed) > 8 else ""
+        )
+        raise ValueError(
+            f"{path}: this {what} was made with other settings ({shown}); its results would "
+            f"be read back as the new settings' results. Give another --out, or remove {redo} "
+            "to redo it"
+        )
+
+
+SETTINGS_FILE = "recipe_settings.json"
+
+
+def check_settings(out: Path, settings: dict[str, Any], free: tuple[str, ...]) -> None:
+    """Keep the settings a recipe's results under ``out`` are made with in
+    ``out/recipe_settings.json``; a later run into ``out`` must have the same ones, but for
+    ``free`` (those that only add rows or change speed: seeds, arms, threads). Written
+    before anything is cached, so no result ever lies there without its settings."""
+    kept = {k: v for k, v in settings.items() if k not in free}
+    path = Path(out) / SETTINGS_FILE
+    if path.is_file():
+        refuse_changed(json.loads(path.read_text()), kept, path, "output folder", Path(out))
+    else:
+        write_json(kept, path)
 
 
 def evaluate_cached(

@@ -66,12 +66,31 @@ from retromae_ds.finetuning.distill import LOSSES, DistillConfig
 from retromae_ds.finetuning.feed import NegativesConfig
 from retromae_ds.refresher.config import MiningConfig, RefreshConfig
 from retromae_ds.training.config import CheckpointConfig, OptimConfig
-from retromae_recipes.common import evaluate_cached, minilm_dir, run_finetune, write_json
+from retromae_recipes.common import (
+    check_settings,
+    evaluate_cached,
+    minilm_dir,
+    run_finetune,
+    write_json,
+)
 from retromae_recipes.finetune import RecipeConfig, split_train
 from retromae_recipes.report_rows import MEASURES
 
 TASKS = ("scifact", "ict")
 ARMS = ("ance", "mined", "denoised", "distill_offline", "distill_online")
+FREE = (
+    "tasks",
+    "seeds",
+    "arms",
+    "stages",
+    "out",
+    "refresh_threads",
+    "ce_batch_size",
+    "ce_max_length",
+)
+"""Options a rerun into the same ``--out`` may change: they add rows, or change only speed,
+or (``ce_max_length``) name their results apart; any other change is refused
+(``common.check_settings``), since the cached results were made with the old value."""
 """The bi-encoder arms (module doc, step 2)."""
 STARTS = ("minilm", "retromae")
 """The cross-encoders' inits: all-MiniLM-L6-v2 (``init``) and ``retromae_init``."""
@@ -238,7 +257,7 @@ class TeacherStudy:
                 mining=MiningConfig(top_k=o.top_k, num_negatives=o.num_negatives, seed=seed),
                 threads=o.refresh_threads, cache_dir=str(self.out / task.name / "embedding_cache"),
                 bf16=o.eval_bf16, bf16_cpu=o.eval_bf16, progress=False,
-                teacher_bf16=o.eval_bf16, teacher_max_length=o.ce_max_length,
+                teacher_bf16=o.eval_bf16,
             ),
             optim=OptimConfig(lr=o.lr, warmup_ratio=RecipeConfig.warmup_ratio),
             checkpoint=CheckpointConfig(every_steps=o.steps, keep_last=1),
@@ -293,7 +312,8 @@ class TeacherStudy:
         if arm == "distill_online":
             teacher = str(self.teacher(task, "minilm", seed))
             cfg = self._refreshing(cfg, mine_first=True)
-            return replace(cfg, distill=replace(distill, teacher=teacher))
+            refresh = replace(cfg.refresh, teacher_max_length=o.ce_max_length)
+            return replace(cfg, distill=replace(distill, teacher=teacher), refresh=refresh)
         mined = self.mine(task, seed, "mined" if arm != "denoised" else "denoised")
         if arm == "distill_offline":
             scores = mined["file"].with_name(mined["manifest"]["cross_encoder"]["teacher_file"])
@@ -493,6 +513,7 @@ class TeacherStudy:
 
         t0 = time.perf_counter()
         rows, fixed, curves, dev, o = [], {}, {}, {}, self.opts
+        check_settings(self.out, to_dict(o), FREE)
         whole = o.stages == "all"
         for task in self.tasks:
             if whole:

@@ -151,11 +151,12 @@ def test_the_inverse_cloze_task_is_built_and_has_no_holdout(tmp_path, tokenizer_
 
 
 def test_the_curve_stage_trains_and_scores_the_teacher_only_at_the_length_asked(
-    tmp_path, tokenizer_dir
+    tmp_path, tokenizer_dir, capsys
 ):
     """``--stages curve``: the cross-encoder and its validation curve, no bi-encoder and
     nothing on test; ``--ce_max_length``: the curve is scored at that length, cached under
-    its own names, and a rerun at the trained length scores the same checkpoints anew."""
+    its own names, and a rerun at the trained length scores the same checkpoints anew; a
+    rerun that would train the teacher otherwise into the same folder is refused."""
     beir = _beir(tmp_path / "beir")
     init = write_tiny_encoder(tmp_path / "init", tokenizer_dir)
     out = tmp_path / "out"
@@ -185,6 +186,14 @@ def test_the_curve_stage_trains_and_scores_the_teacher_only_at_the_length_asked(
     short = json.loads((out / "scifact" / "eval" / "curve_ce_minilm_s0_step1.json").read_text())
     assert short["cross_encoder"]["max_length"] == 31
     assert short["cross_encoder"]["model"] == long["cross_encoder"]["model"]
+
+    # The same --out with a teacher trained otherwise: refused, naming the field, since the
+    # cached teacher, curve and rows are the old settings' (the study once read them back).
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    assert main([*argv, "--stages", "curve", "--ce_p_max_len", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "ce_p_max_len: 16 -> 24" in err and "recipe_settings.json" in err, err
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 @pytest.mark.parametrize(
