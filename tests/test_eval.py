@@ -289,7 +289,7 @@ def test_scifact_ndcg_matches_reference(shared_data, minilm_dir, tmp_path):
 
 @pytest.mark.slow
 def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, tmp_path):
-    """A SciFact sub-collection (100 test queries; the 100+ documents they judge and 400
+    """A SciFact sub-collection (60 test queries; the 60+ documents they judge and 200
     others): ``evaluate_beir`` with all-MiniLM-L6-v2 gives the figures that sentence-
     transformers' own encoding, exact numpy search and trec_eval (ir-measures) give, both in
     float32; under bfloat16 autocast within 0.01 (nDCG@10 came 0.0029 off with transformers
@@ -301,7 +301,7 @@ def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, 
 
     ir_measures = pytest.importorskip("ir_measures", reason="ir-measures (dev extra)")
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (dev extra)")
-    sub = scifact_slice(scifact, tmp_path / "sub", extra_docs=400, test_queries=100)
+    sub = scifact_slice(scifact, tmp_path / "sub", extra_docs=200, test_queries=60)
 
     def ours(amp_dtype):
         return evaluate_beir(
@@ -319,11 +319,11 @@ def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, 
         )
 
     result = ours(None)  # float32, as the independent pipeline encodes
-    assert result["num_queries"] == 100
+    assert result["num_queries"] == 60
 
     # the independent pipeline: BEIR's text, sentence-transformers, numpy, trec_eval
     corpus = [json.loads(line) for line in (sub / "corpus.jsonl").read_text().splitlines()]
-    assert result["num_corpus"] == len(corpus) > 500
+    assert result["num_corpus"] == len(corpus) >= 260
     qrels = [row.split("\t") for row in (sub / "qrels" / "test.tsv").read_text().split("\n")[1:-1]]
     qids = list(dict.fromkeys(q for q, _, _ in qrels))
     by_id = {}
@@ -358,7 +358,7 @@ def test_scifact_metrics_equal_an_independent_pipeline(shared_data, minilm_dir, 
         assert result["metrics"][name] == pytest.approx(reference[measure], abs=2e-3), name
     assert 0.4 < result["metrics"]["ndcg@10"] < 0.95  # a real retriever, not a degenerate run
     # bfloat16 autocast where the CPU has it natively: rankings move by a few swaps (one swap
-    # in one of 100 queries moves the mean nDCG@10 by up to ~0.003), not more
+    # in one of 60 queries moves the mean nDCG@10 by up to ~0.006), not more
     if cpu_autocast_dtype() is not None:
         fast = ours(cpu_autocast_dtype())
         for name, measure in measures.items():
