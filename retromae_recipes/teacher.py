@@ -78,6 +78,7 @@ from retromae_recipes.report_rows import MEASURES
 
 TASKS = ("scifact", "ict")
 ARMS = ("ance", "mined", "denoised", "distill_offline", "distill_online")
+"""The bi-encoder arms (module doc, step 2)."""
 FREE = (
     "tasks",
     "seeds",
@@ -91,7 +92,6 @@ FREE = (
 """Options a rerun into the same ``--out`` may change: they add rows, or change only speed,
 or (``ce_max_length``) name their results apart; any other change is refused
 (``common.check_settings``), since the cached results were made with the old value."""
-"""The bi-encoder arms (module doc, step 2)."""
 STARTS = ("minilm", "retromae")
 """The cross-encoders' inits: all-MiniLM-L6-v2 (``init``) and ``retromae_init``."""
 
