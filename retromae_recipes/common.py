@@ -59,19 +59,6 @@ SPEED = (
 finished run is kept when only they differ."""
 
 
-def _without(config: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
-    """``config`` less the dotted ``fields``."""
-    out = json.loads(json.dumps(config, default=str))
-    for name in fields:
-        *parents, leaf = name.split(".")
-        node = out
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    return out
-
-
 def run_finetune(config: Any) -> Path:
     """``retromae-ds finetune`` of ``config`` (a ``FinetuneConfig``) in a subprocess, its
     config beside the run folder (``RUN_config.json``), its output appended to ``RUN.log``
@@ -87,9 +74,7 @@ def run_finetune(config: Any) -> Path:
     if layout.finished.is_file():
         if path.is_file():
             saved = json.loads(path.read_text())
-            refuse_changed(
-                _without(saved, SPEED), _without(wanted, SPEED), path, "run", layout.root
-            )
+            refuse_changed(saved, wanted, path, "run", layout.root, ignore=SPEED)
         return layout.root
     layout.root.mkdir(parents=True, exist_ok=True)
     write_json(wanted, path)
@@ -102,25 +87,31 @@ def run_finetune(config: Any) -> Path:
     return layout.root
 
 
-def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """The dotted fields where ``old`` and ``new`` (JSON-like) differ, as ``field: old ->
-    new``."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = list(old) + [k for k in new if k not in old]
-        return [d for k in keys for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
-    if json.loads(json.dumps(old, default=str)) == json.loads(json.dumps(new, default=str)):
-        return []
-    return [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """``data`` (JSON-like) as ``{dotted field: value}``, values as JSON reads them back."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): json.loads(json.dumps(data, default=str))}
+    return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
 def refuse_changed(
-    saved: dict[str, Any], wanted: dict[str, Any], path: Path, what: str, redo: Path
+    saved: dict[str, Any],
+    wanted: dict[str, Any],
+    path: Path,
+    what: str,
+    redo: Path,
+    ignore: tuple[str, ...] = (),
 ) -> None:
     """Fail, naming ``path`` and each field that changed, when the settings a cached
     result was made with (``saved``, read from ``path``) are not ``wanted``: a recipe rerun
     with other settings must never report the old result as the new one (removing ``redo``
-    redoes it)."""
-    changed = _differences(saved, wanted)
+    redoes it); fields in ``ignore`` may differ."""
+    old, new = _flat(saved), _flat(wanted)
+    changed = [
+        f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        for key in sorted(set(old) | set(new))
+        if key not in ignore and old.get(key) != new.get(key)
+    ]
     if changed:
         shown = "; ".join(changed[:8]) + (
             f"; and {len(changed) - 8} more" if len(changed) > 8 else ""
